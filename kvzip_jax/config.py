@@ -1,0 +1,204 @@
+"""ModelConfig: one frozen, hashable description of a decoder, read from HF config.json or GGUF metadata.
+
+Families are flags, not subclasses:
+  llama  (Llama 2/3.x, SmolLM2): plain RMSNorm, SwiGLU, optional llama3 RoPE frequency scaling.
+  qwen2  (Qwen2/2.5): llama + q/k/v biases.
+  qwen3: llama + per-head q/k RMSNorm before RoPE.
+  gemma3 (text): (1+w) norms (the +1 is baked into our params), sqrt(D) embedding scale, query_pre_attn_scalar,
+         GELU-tanh MLP, pre/post attention and FFN norms, q/k norms, hybrid sliding/global layers with their own
+         RoPE bases.
+The config is registered static, so it can be passed straight through `jax.jit` as an ordinary argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+
+from kvzip_jax.errors import ModelFileError, UnsupportedArchitectureError
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+FULL, SLIDING = "full", "sliding"
+
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding of one layer type. kind: 'default' | 'linear' | 'llama3'."""
+
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    @classmethod
+    def from_hf(cls, params: Mapping[str, Any] | None, theta: float) -> "RopeSpec":
+        """Reads an HF rope dict (`rope_scaling` or transformers-5 `rope_parameters`); None means default."""
+        params = dict(params or {})
+        theta = float(params.get("rope_theta", theta))
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3"):
+            raise UnsupportedArchitectureError(f"RoPE type {kind!r} is not supported (default, linear, llama3)")
+        if kind == "default":
+            return cls(theta=theta)
+        if kind == "linear":
+            return cls(theta=theta, kind=kind, factor=float(params["factor"]))
+        return cls(
+            theta=theta,
+            kind=kind,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position=int(params["original_max_position_embeddings"]),
+        )
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static shape and family description of a decoder-only transformer."""
+
+    architecture: str  # one of ARCHITECTURES
+    vocab_size: int  # V
+    hidden_size: int  # D
+    num_layers: int  # L
+    num_heads: int  # N
+    num_kv_heads: int  # K
+    head_dim: int  # H
+    intermediate_size: int  # F
+    rms_norm_eps: float
+    max_position: int
+    rope: RopeSpec  # full (global) attention layers
+    rope_sliding: RopeSpec | None = None  # sliding-window layers (Gemma 3 local base)
+    layer_types: tuple[str, ...] = ()  # FULL | SLIDING per layer; empty means all FULL
+    sliding_window: int | None = None
+    tie_embeddings: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False  # Gemma: post-attention and post-FFN norms
+    activation: str = "silu"  # silu | gelu_tanh
+    embed_scale: float = 1.0  # Gemma: sqrt(D)
+    query_scale: float = 0.0  # multiplies q.k; 0 means head_dim ** -0.5
+
+    def __post_init__(self):
+        if self.architecture not in ARCHITECTURES:
+            raise UnsupportedArchitectureError(
+                f"architecture {self.architecture!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        if self.query_scale == 0.0:
+            object.__setattr__(self, "query_scale", self.head_dim**-0.5)
+
+    @property
+    def group_size(self) -> int:
+        """G: query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    def rope_for(self, layer: int) -> RopeSpec:
+        if self.layer_types[layer] == SLIDING and self.rope_sliding is not None:
+            return self.rope_sliding
+        return self.rope
+
+    def window_for(self, layer: int) -> int | None:
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["rope"] = RopeSpec(**d["rope"])
+        d["rope_sliding"] = RopeSpec(**d["rope_sliding"]) if d.get("rope_sliding") else None
+        d["layer_types"] = tuple(d["layer_types"])
+        return cls(**d)
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any] | str | Path) -> "ModelConfig":
+        """From an HF config dict, a config.json path, or a folder holding config.json (transformers 4 or 5)."""
+        if not isinstance(hf, Mapping):
+            path = Path(hf)
+            path = path / "config.json" if path.is_dir() else path
+            try:
+                hf = json.loads(path.read_text())
+            except FileNotFoundError:
+                raise ModelFileError(f"no config.json at {path}") from None
+            except json.JSONDecodeError as e:
+                raise ModelFileError(f"{path} is not valid JSON: {e}") from None
+        hf = dict(hf.get("text_config", hf)) if hf.get("model_type") == "gemma3" else dict(hf)
+        model_type = hf.get("model_type")
+        if model_type not in _HF_MODEL_TYPES:
+            names = hf.get("architectures") or [model_type]
+            raise UnsupportedArchitectureError(
+                f"architecture {names[0]!r} (model_type {model_type!r}) is not supported; "
+                f"supported model types: {', '.join(sorted(_HF_MODEL_TYPES))}"
+            )
+        arch = _HF_MODEL_TYPES[model_type]
+        heads = hf["num_attention_heads"]
+        hidden = hf["hidden_size"]
+        rope_params = hf.get("rope_parameters") or hf.get("rope_scaling")
+        theta = float(hf.get("rope_theta", 10000.0))
+        gemma = arch == "gemma3"
+        common = dict(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hidden,
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hidden // heads,
+            intermediate_size=hf["intermediate_size"],
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position=hf.get("max_position_embeddings", 8192),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+        )
+        if arch in ("llama", "qwen2", "qwen3"):
+            if hf.get("use_sliding_window"):
+                raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=True is not supported")
+            return cls(
+                **common,
+                rope=RopeSpec.from_hf(rope_params, theta),
+                qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
+            )
+        # gemma3: transformers 5 nests per-layer-type rope params; transformers 4 has rope_theta,
+        # rope_local_base_freq and rope_scaling (applied to the global layers).
+        if rope_params and "full_attention" in rope_params:
+            rope = RopeSpec.from_hf(rope_params["full_attention"], theta)
+            rope_sliding = RopeSpec.from_hf(rope_params.get("sliding_attention"), 10000.0)
+        else:
+            rope = RopeSpec.from_hf(rope_params, float(hf.get("rope_theta", 1_000_000.0)))
+            rope_sliding = RopeSpec(theta=float(hf.get("rope_local_base_freq", 10000.0)))
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            pattern = hf.get("sliding_window_pattern", 6)
+            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                           for i in range(common["num_layers"])]
+        if hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping"):
+            raise UnsupportedArchitectureError("Gemma logit soft-capping is not supported (Gemma 3 has none)")
+        return cls(
+            **common,
+            rope=rope,
+            rope_sliding=rope_sliding,
+            layer_types=tuple(SLIDING if t == "sliding_attention" else FULL for t in layer_types),
+            sliding_window=hf.get("sliding_window", 4096),
+            qk_norm=True,
+            sandwich_norms=True,
+            activation="gelu_tanh",
+            embed_scale=math.sqrt(hidden),
+            query_scale=float(hf.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5,
+        )

@@ -1,0 +1,29 @@
+"""Named errors raised early on bad input, so users never see a traceback from inside XLA."""
+
+
+class KvzipError(Exception):
+    """Base class of every error kvzip-jax raises on purpose."""
+
+
+class ModelFileError(KvzipError):
+    """A model file or folder is missing, unreadable or corrupt."""
+
+
+class UnsupportedArchitectureError(KvzipError):
+    """The checkpoint's architecture is not one kvzip-jax implements."""
+
+
+class WeightShapeError(KvzipError):
+    """A tensor in a checkpoint has the wrong shape, is missing, or is unexpected."""
+
+
+class ContextTooLongError(KvzipError):
+    """The input does not fit the model's maximum context or the cache capacity."""
+
+
+class EmptyInputError(KvzipError):
+    """An empty prompt, context or batch was given."""
+
+
+class ChecksumError(ModelFileError):
+    """An assembled model file does not have the expected sha256."""
