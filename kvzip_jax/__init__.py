@@ -1,0 +1,1 @@
+"""kvzip-jax: query-agnostic KV-cache compression (KVzip) in pure-functional JAX/Flax."""

@@ -1,0 +1,96 @@
+"""The KV cache: an explicit pytree passed into the forward and returned from it, plus its pure operations.
+
+Per layer, `k, v: [B, K, C, H]` hold post-norm, post-RoPE keys and values at their original absolute positions
+(RoPE is never re-applied), left-aligned: slots [0, lengths[b, k]) are filled. `lengths: [B, K]` is per KV head
+so that compressed caches can keep a different number of pairs per head. `next_position: [B]` is the logical
+position the next token gets; it equals the filled length until a compression evicts pairs.
+
+Einsum legend: B batch, K KV heads, C cache capacity (slots), H head dim, T new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvzip_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerCache:
+    k: jax.Array  # [B, K, C, H]
+    v: jax.Array  # [B, K, C, H]
+    lengths: jax.Array  # [B, K] int32, filled slots per KV head
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    layers: tuple[LayerCache, ...]
+    next_position: jax.Array  # [B] int32
+
+    @property
+    def batch_size(self) -> int:
+        return self.next_position.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity
+
+    def lengths(self) -> jax.Array:
+        """[L, B, K] filled slots of every layer and KV head."""
+        return jnp.stack([layer.lengths for layer in self.layers])
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache with room for `capacity` tokens per KV head in every layer."""
+    shape = (batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)  # [B, K, C, H]
+    layer = lambda: LayerCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        lengths=jnp.zeros((batch_size, cfg.num_kv_heads), jnp.int32),
+    )
+    return KVCache(layers=tuple(layer() for _ in range(cfg.num_layers)),
+                   next_position=jnp.zeros((batch_size,), jnp.int32))
+
+
+def write(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array) -> LayerCache:
+    """Writes the first num_new [B] of k_new, v_new [B, K, T, H] at each head's filled length.
+
+    Padding rows (t >= num_new) leave the cache untouched, so a finished row of a batch never loses pairs.
+    """
+    T = k_new.shape[2]
+
+    def write_head(cache_kh, new_kh, start, count):  # [C, H], [T, H], [], []
+        old = jax.lax.dynamic_slice_in_dim(cache_kh, start, T, axis=0)  # [T, H]
+        keep_new = (jnp.arange(T) < count)[:, None]
+        update = jnp.where(keep_new, new_kh.astype(cache_kh.dtype), old)
+        return jax.lax.dynamic_update_slice_in_dim(cache_kh, update, start, axis=0)
+
+    write_all = jax.vmap(jax.vmap(write_head, in_axes=(0, 0, 0, None)))
+    return LayerCache(
+        k=write_all(layer.k, k_new, layer.lengths, num_new),
+        v=write_all(layer.v, v_new, layer.lengths, num_new),
+        lengths=layer.lengths + num_new[:, None].astype(jnp.int32),
+    )
+
+
+def nbytes(cache: KVCache) -> int:
+    """Device bytes held by the cache arrays."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+
+
+def used_bytes(cache: KVCache) -> int:
+    """Bytes of the K/V pairs actually filled (sum of lengths x head dim x 2 tensors)."""
+    total = 0
+    for layer in cache.layers:
+        per_slot = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
+        total += int(jnp.sum(layer.lengths)) * per_slot
+    return total

@@ -1,0 +1,131 @@
+"""The decoder: Flax linen modules used purely through `apply`, with an explicit cache pytree in and out.
+
+    logits, cache, aux = forward(params, tokens, positions, cache, cfg, observer)
+
+Einsum legend: B batch, T query positions, S key slots, D model width, N query heads, K KV heads,
+G query heads per KV head, H head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from kvzip_jax import cache as kv
+from kvzip_jax.config import ModelConfig
+from kvzip_jax.models import layers
+from kvzip_jax.models.params import layer_name, param_shapes
+
+LOGITS_CHOICES = ("last", "all", None)
+
+
+def _declare(module: nn.Module, shapes: dict):
+    """Returns name -> param for a module whose params are declared in params.py (Flax checks the shapes)."""
+    return lambda name: module.param(name, nn.initializers.zeros_init(), shapes[name], jnp.float32)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer: attention over the cache, then the gated MLP."""
+
+    cfg: ModelConfig
+    index: int
+    observer: layers.Observer | None = None
+
+    @nn.compact
+    def __call__(self, x, positions, layer_cache: kv.LayerCache, num_new):
+        cfg, i = self.cfg, self.index
+        p = _declare(self, param_shapes(cfg)[layer_name(i)])
+        B, T, _ = x.shape
+        N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+
+        h = layers.rms_norm(x, p("attn_norm"), cfg.rms_norm_eps)  # [B, T, D]
+        qkv = h @ p("qkv")  # [B, T, (N + 2K) H]
+        if cfg.qkv_bias:
+            qkv = qkv + p("qkv_bias")
+        q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
+        q = q.reshape(B, T, N, H)
+        k = k.reshape(B, T, K, H)
+        v = v.reshape(B, T, K, H)
+        if cfg.qk_norm:
+            q = layers.rms_norm(q, p("q_norm"), cfg.rms_norm_eps)
+            k = layers.rms_norm(k, p("k_norm"), cfg.rms_norm_eps)
+        inv_freq = layers.rope_inv_freq(cfg.rope_for(i), H)
+        q = layers.apply_rope(q, positions, inv_freq)
+        k = layers.apply_rope(k, positions, inv_freq)
+
+        start = layer_cache.lengths  # [B, K] slot of the first new token
+        layer_cache = kv.write(layer_cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), num_new)
+        query_slots = start[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, K, T]
+        q = q.reshape(B, T, K, G, H)
+        observed = None
+        if self.observer is None:
+            out = layers.blocked_attention(q, layer_cache.k, layer_cache.v, query_slots, cfg.window_for(i),
+                                           cfg.query_scale)
+        else:  # observers see the dense attention weights
+            mask = layers.attention_mask(query_slots, layer_cache.capacity, cfg.window_for(i))  # [B, K, T, S]
+            out, probs = layers.grouped_attention(q, layer_cache.k, layer_cache.v, mask, cfg.query_scale)
+            observed = self.observer(layers.AttentionView(
+                layer=i, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, mask=mask, probs=probs,
+                query_slots=query_slots, o_proj=p("o"), scale=cfg.query_scale))
+        attn = out.reshape(B, T, N * H) @ p("o")  # [B, T, D]
+
+        if cfg.sandwich_norms:
+            attn = layers.rms_norm(attn, p("post_attn_norm"), cfg.rms_norm_eps)
+        x = x + attn
+        h = layers.rms_norm(x, p("mlp_norm"), cfg.rms_norm_eps)
+        ffn = layers.mlp(h, p("gate_up"), p("down"), cfg.activation)
+        if cfg.sandwich_norms:
+            ffn = layers.rms_norm(ffn, p("post_mlp_norm"), cfg.rms_norm_eps)
+        return x + ffn, layer_cache, observed
+
+
+class Transformer(nn.Module):
+    """Embedding, the layer stack and the (optionally tied) LM head."""
+
+    cfg: ModelConfig
+    observer: layers.Observer | None = None
+    logits: str | None = "last"
+
+    @nn.compact
+    def __call__(self, tokens, positions, cache: kv.KVCache, num_new):
+        cfg = self.cfg
+        p = _declare(self, param_shapes(cfg))
+        embed = p("embed")  # [V, D]
+        x = embed[tokens]  # [B, T, D]
+        if cfg.embed_scale != 1.0:
+            x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+        new_layers, observed = [], []
+        for i, layer_cache in enumerate(cache.layers):
+            x, layer_cache, obs = Block(cfg, i, self.observer, name=layer_name(i))(x, positions, layer_cache, num_new)
+            new_layers.append(layer_cache)
+            observed.append(obs)
+        new_cache = kv.KVCache(layers=tuple(new_layers), next_position=cache.next_position + num_new)
+        aux: dict[str, Any] = {"observed": tuple(observed)} if self.observer is not None else {}
+
+        if self.logits is None:
+            return None, new_cache, aux
+        if self.logits == "last":
+            x = jnp.take_along_axis(x, (num_new - 1)[:, None, None], axis=1)  # [B, 1, D]
+        x = layers.rms_norm(x, p("final_norm"), cfg.rms_norm_eps)
+        head = embed.T if cfg.tie_embeddings else p("lm_head")  # [D, V]
+        return (x @ head).astype(jnp.float32), new_cache, aux
+
+
+def forward(params, tokens, positions, cache: kv.KVCache, cfg: ModelConfig, observer=None, *,
+            num_new=None, logits: str | None = "last"):
+    """Runs tokens [B, T] at positions [B, T] on top of cache; returns (logits, cache, aux).
+
+    num_new [B]: how many of the T tokens are real (right padding); defaults to T. logits: "last" gives
+    [B, 1, V] at each row's last real token, "all" gives [B, T, V], None skips the LM head.
+    aux["observed"]: per-layer observer outputs when an observer is given.
+    """
+    if logits not in LOGITS_CHOICES:
+        raise ValueError(f"logits must be one of {LOGITS_CHOICES}, got {logits!r}")
+    B, T = tokens.shape
+    if num_new is None:
+        num_new = jnp.full((B,), T, jnp.int32)
+    model = Transformer(cfg, observer, logits)
+    return model.apply({"params": params}, tokens, positions, cache, num_new)
