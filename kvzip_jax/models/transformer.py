@@ -60,6 +60,7 @@ class Block(nn.Module):
         layer_cache = kv.write(layer_cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), num_new)
         query_slots = start[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, K, T]
         q = q.reshape(B, T, K, G, H)
+        o_proj = p("o")  # [N H, D]
         observed = None
         if self.observer is None:
             out = layers.blocked_attention(q, layer_cache.k, layer_cache.v, query_slots, cfg.window_for(i),
@@ -69,8 +70,8 @@ class Block(nn.Module):
             out, probs = layers.grouped_attention(q, layer_cache.k, layer_cache.v, mask, cfg.query_scale)
             observed = self.observer(layers.AttentionView(
                 layer=i, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, mask=mask, probs=probs,
-                query_slots=query_slots, o_proj=p("o"), scale=cfg.query_scale))
-        attn = out.reshape(B, T, N * H) @ p("o")  # [B, T, D]
+                query_slots=query_slots, o_proj=o_proj, scale=cfg.query_scale))
+        attn = out.reshape(B, T, N * H) @ o_proj  # [B, T, D]
 
         if cfg.sandwich_norms:
             attn = layers.rms_norm(attn, p("post_attn_norm"), cfg.rms_norm_eps)
