@@ -1,0 +1,111 @@
+"""Converted checkpoints on disk, written atomically:
+
+  <dir>/params/       orbax (StandardCheckpointer) parameter tree, restored against abstract_params(cfg)
+  <dir>/config.json   ModelConfig.to_dict()
+  <dir>/tokenizer/    tokenizer.save_pretrained (chat template included)
+
+Everything is first written into a temporary sibling folder that is renamed into place only once complete; on any
+failure the temporary folder is removed, so a checkpoint folder either is complete or does not exist.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kvzip_jax.config import ModelConfig
+from kvzip_jax.errors import ModelFileError, WeightShapeError
+from kvzip_jax.models.params import abstract_params
+from kvzip_jax.weights.tokenizer import tokenizer_from_hf
+
+PARAMS, CONFIG, TOKENIZER = "params", "config.json", "tokenizer"
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """True for a folder laid out by save_checkpoint."""
+    path = Path(path)
+    return (path / CONFIG).is_file() and (path / PARAMS).is_dir()
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path, overwrite: bool = False):
+    """Yields a temporary sibling folder of `target`; renames it to `target` when the block succeeds, removes it
+    when the block raises. An existing `target` is replaced only with overwrite=True."""
+    target = Path(target).absolute()
+    if target.exists() and not overwrite:
+        raise ModelFileError(f"{target} already exists; remove it or pass overwrite=True")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        if not target.exists():
+            os.rename(tmp, target)
+        elif overwrite:
+            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(target, old)
+            os.rename(tmp, target)
+            shutil.rmtree(old)
+        else:
+            raise ModelFileError(f"{target} was created by another writer meanwhile")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _device_target(cfg: ModelConfig) -> dict:
+    """abstract_params with an explicit single-device sharding, so restore places arrays on this host's device."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_params(cfg))
+
+
+def save_checkpoint(directory: str | Path, cfg: ModelConfig, params: dict, tokenizer, overwrite: bool = False) -> Path:
+    """Writes params (any float arrays, stored float32), config and tokenizer into `directory`, atomically."""
+    import orbax.checkpoint as ocp
+
+    expected = jax.tree.map(lambda s: s.shape, abstract_params(cfg))
+    actual = jax.tree.map(lambda a: tuple(a.shape), params)
+    if actual != expected:
+        raise WeightShapeError(f"params do not match the layout of the config: got {actual}, expected {expected}")
+    with atomic_dir(directory, overwrite) as tmp:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp / PARAMS, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params))
+            checkpointer.wait_until_finished()
+        (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        tokenizer.save_pretrained(str(tmp / TOKENIZER))
+    return Path(directory)
+
+
+def load_config(directory: str | Path) -> ModelConfig:
+    path = Path(directory) / CONFIG
+    try:
+        return ModelConfig.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise ModelFileError(f"no {CONFIG} in {directory}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ModelFileError(f"{path} is not a kvzip-jax config ({type(e).__name__}: {e})") from None
+
+
+def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict, object]:
+    """(config, parameter tree of float32 jax arrays, tokenizer) from a folder written by save_checkpoint."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    if not is_checkpoint(directory):
+        raise ModelFileError(f"{directory} is not a converted checkpoint (needs {CONFIG} and {PARAMS}/)")
+    cfg = load_config(directory)
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            params = checkpointer.restore(directory / PARAMS, _device_target(cfg))
+    except ValueError as e:
+        raise WeightShapeError(f"{directory / PARAMS} does not match {CONFIG}: {str(e).splitlines()[0]}") from None
+    except (OSError, RuntimeError) as e:
+        raise ModelFileError(f"cannot restore {directory / PARAMS} ({type(e).__name__}: {e})") from None
+    return cfg, params, tokenizer_from_hf(directory / TOKENIZER)

