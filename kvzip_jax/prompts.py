@@ -197,3 +197,11 @@ def _checked_concatenation(
     if _decode(tokenizer, tokens) != expected_text:
         raise KvzipError("the concatenated segment ids do not decode to the template's text")
     return tokens
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Tokens that end an answer: the tokenizer's EOS and the chat templates' end-of-turn markers it knows."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[marker] for marker in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>") if marker in vocab)
+    return tuple(sorted(ids))

@@ -230,3 +230,17 @@ def test_config_round_trip_and_hashable(tiny):
     _, model, cfg, _ = tiny
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
     assert hash(cfg) == hash(ModelConfig.from_hf(model.config.to_dict()))
+
+
+def test_ask_leaves_the_context_cache_as_it_was(tiny):
+    _, _, cfg, params = tiny
+    context, q1, q2 = _tokens(cfg, 1, 30)[0], _tokens(cfg, 1, 5, seed=3)[0], _tokens(cfg, 1, 7, seed=4)[0]
+    _, cache = gen.prefill(params, cfg, [context], capacity=64)
+    before = jax.tree.map(np.asarray, cache)
+    _, cache = gen.ask(params, cfg, cache, q1, 6)
+    after_q1, cache = gen.ask(params, cfg, cache, q2, 6)
+    assert np.asarray(cache.next_position).tolist() == [30]
+    assert all(np.array_equal(a.lengths, b.lengths) for a, b in zip(before.layers, cache.layers))
+    _, fresh = gen.prefill(params, cfg, [context], capacity=64)
+    only_q2, _ = gen.ask(params, cfg, fresh, q2, 6)
+    assert after_q1 == only_q2

@@ -1,0 +1,32 @@
+"""Matmul FLOP counts of the decoder, to turn measured times into achieved GFLOP/s."""
+
+from kvzip_jax.config import ModelConfig
+
+
+def linear_flops_per_token(cfg: ModelConfig) -> int:
+    """2 x multiply-adds of the q/k/v/o projections and the MLP, per token per model (no LM head)."""
+    D, F, H, N, K = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F
+    return 2 * per_layer * cfg.num_layers
+
+
+def attention_flops(cfg: ModelConfig, num_queries: int, keys_before: int = 0) -> int:
+    """q.k and p.v FLOPs of num_queries causal queries on top of keys_before cached keys, all layers.
+
+    Sliding-window layers count only the keys inside their window.
+    """
+    total = 0
+    for layer in range(cfg.num_layers):
+        window = cfg.window_for(layer)
+        pairs = 0
+        for t in range(num_queries):
+            visible = keys_before + t + 1
+            pairs += min(visible, window) if window else visible
+        total += 2 * 2 * pairs * cfg.head_dim * cfg.num_heads
+    return total
+
+
+def prefill_flops(cfg: ModelConfig, num_tokens: int) -> int:
+    """FLOPs a causal prefill of num_tokens must do, with LM-head logits for the last token only."""
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size
+    return linear_flops_per_token(cfg) * num_tokens + attention_flops(cfg, num_tokens) + lm_head
