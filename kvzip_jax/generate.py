@@ -34,7 +34,7 @@ def capacity_for(num_tokens: int, cfg: ModelConfig) -> int:
     """Cache capacity bucket for num_tokens (a power of two, at least MIN_CAPACITY, at most max_position)."""
     if num_tokens > cfg.max_position:
         raise ContextTooLongError(f"{num_tokens} tokens exceed the model's maximum context of {cfg.max_position}")
-    return max(num_tokens, min(bucket(num_tokens, MIN_CAPACITY), max(cfg.max_position, MIN_CAPACITY)))
+    return min(bucket(num_tokens, MIN_CAPACITY), cfg.max_position)
 
 
 def append_tokens(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, logits: str | None = "last"):
