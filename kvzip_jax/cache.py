@@ -116,3 +116,11 @@ def rewind(cache: KVCache, to: CacheMark) -> KVCache:
     """
     layers = tuple(dataclasses.replace(layer, lengths=lengths) for layer, lengths in zip(cache.layers, to.lengths))
     return KVCache(layers=layers, next_position=to.next_position)
+
+
+def grow(cache: KVCache, extra: int) -> KVCache:
+    """The same cache with `extra` more empty slots per KV head (a copy)."""
+    pad = ((0, 0), (0, 0), (0, extra), (0, 0))
+    layers = tuple(dataclasses.replace(layer, k=jnp.pad(layer.k, pad), v=jnp.pad(layer.v, pad))
+                   for layer in cache.layers)
+    return dataclasses.replace(cache, layers=layers)

@@ -1,0 +1,152 @@
+"""KVzip reconstruction scoring: the model rereads its context on top of its own cache; every cached context pair
+is scored by the largest attention it receives during that reread.
+
+For each chunk of m context tokens the reread input is [reread prompt | anchor | answer header | chunk], forwarded
+teacher-forced on top of the full cache (which the scoring leaves unchanged). In every layer the post-RoPE queries
+of the reread attend, for scoring, to [prefix (system prompt) | this chunk's cached keys | the reread's own keys,
+causal]; the softmax is float32 with the model's attention scale; a pair's score is the max over all reread
+positions and over the G query heads of its KV head. Result: scores [L, B, K, n] for n context tokens.
+
+Einsum legend: B batch, T reread positions, S cache slots, K KV heads, G query heads per KV head, H head dim,
+D model width, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvzip_jax import cache as kv
+from kvzip_jax.config import ModelConfig
+from kvzip_jax.models.layers import MASK_VALUE, AttentionView
+from kvzip_jax.models.transformer import forward
+
+DEFAULT_CHUNK = 2048
+ANCHOR_TOKENS = 8
+VARIANTS = ("softmax", "logits")
+
+
+def _static(default):
+    return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RereadObserver:
+    """Scores one chunk's cached pairs in every layer (an observer for the forward's attention hook).
+
+    Arrays are per batch row [B] and count cache slots. Returns per layer [B, K, width] scores of the slots
+    [chunk_start, chunk_start + width); columns past chunk_len are meaningless.
+    """
+
+    prefix_len: jax.Array  # slots [0, prefix_len) hold the never-evicted prefix
+    chunk_start: jax.Array
+    chunk_len: jax.Array
+    reread_start: jax.Array  # slot of the first reread token
+    num_valid: jax.Array  # real reread tokens; the rest is padding, excluded from the max
+    width: int = _static(DEFAULT_CHUNK)
+    variant: str = _static("softmax")
+    kvzip_plus: bool = _static(False)
+
+    def __call__(self, view: AttentionView) -> jax.Array:
+        B, T, K, G, H = view.q.shape
+        S = view.k.shape[2]
+        slots = jnp.arange(S, dtype=jnp.int32)  # [S]
+        column = lambda a: a[:, None]  # [B] -> [B, 1]
+        cached = (slots < column(self.prefix_len)) | (
+            (slots >= column(self.chunk_start)) & (slots < column(self.chunk_start + self.chunk_len)))  # [B, S]
+        own = (slots >= self.reread_start[:, None, None, None]) & (slots <= view.query_slots[..., None])
+        visible = cached[:, None, None, :] | own  # [B, K, T, S]
+        logits = jnp.einsum("BTKGH,BKSH->BKGTS", view.q, view.k, preferred_element_type=jnp.float32) * view.scale
+        logits = jnp.where(visible[:, :, None], logits, MASK_VALUE)
+        stat = jax.nn.softmax(logits, axis=-1) if self.variant == "softmax" else logits  # [B, K, G, T, S]
+        if self.kvzip_plus:
+            query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)  # [B, T]
+            o_proj = view.o_proj.reshape(K, G, H, -1)  # [K, G, H, D]
+            value_norm = jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", view.v, o_proj), axis=-1)  # [B, K, G, S]
+            stat = stat / query_norm[:, None, None, :, None] * value_norm[:, :, :, None, :]
+        real_row = jnp.arange(T) < self.num_valid[:, None]  # [B, T]
+        stat = jnp.where(real_row[:, None, None, :, None], stat, -jnp.inf)
+        best = stat.max(axis=(2, 3))  # [B, K, S]
+        take = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, self.width, axis=-1)
+        return jax.vmap(take)(best, self.chunk_start)  # [B, K, width]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RereadInputs:
+    """The reread inputs of every chunk, built on the host by `reread_inputs`. Arrays [C, B, ...] for C chunks."""
+
+    tokens: jax.Array  # [C, B, W] int32, right-padded
+    num_valid: jax.Array  # [C, B]
+    chunk_start: jax.Array  # [C, B] cache slot of the chunk's first token
+    chunk_len: jax.Array  # [C, B]
+    prefix_len: jax.Array  # [B]
+    context_len: jax.Array  # [B]
+    chunk_size: int = _static(DEFAULT_CHUNK)
+
+
+def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAULT_CHUNK,
+                  system: str | None = None) -> RereadInputs:
+    """Reread inputs for rows whose caches hold [prefix | context]: prefix_len [B] ints, context_tokens B sequences.
+
+    Chunk t of a row is context tokens [t m, (t + 1) m); its reread input is the reread prompt (with the previous
+    chunk's last 8 tokens as anchor from the second chunk on), the answer header, then the chunk itself.
+    """
+    from kvzip_jax import prompts
+
+    rows = [np.asarray(c, np.int32) for c in context_tokens]
+    num_chunks = max(-(-len(r) // chunk_size) for r in rows)
+    inputs = [[None] * len(rows) for _ in range(num_chunks)]
+    for b, row in enumerate(rows):
+        for t in range(num_chunks):
+            chunk = row[t * chunk_size:(t + 1) * chunk_size]
+            anchor = row[max(t * chunk_size - ANCHOR_TOKENS, 0):t * chunk_size]
+            inputs[t][b] = np.concatenate([prompts.reread_suffix(tokenizer, anchor, system), chunk])
+    width = max(len(x) for chunk in inputs for x in chunk)
+    width = -(-width // 64) * 64  # bucketed so nearby lengths share a compilation
+    tokens = np.zeros((num_chunks, len(rows), width), np.int32)
+    num_valid = np.zeros((num_chunks, len(rows)), np.int32)
+    for t, chunk in enumerate(inputs):
+        for b, x in enumerate(chunk):
+            tokens[t, b, :len(x)] = x
+            num_valid[t, b] = len(x)
+    prefix = np.asarray(prefix_len, np.int32)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    starts = np.arange(num_chunks, dtype=np.int32)[:, None] * chunk_size
+    return RereadInputs(
+        tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid),
+        chunk_start=jnp.asarray(prefix[None, :] + starts),
+        chunk_len=jnp.asarray(np.clip(lengths[None, :] - starts, 0, chunk_size)),
+        prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size)
+
+
+def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, variant: str = "softmax",
+          kvzip_plus: bool = False) -> jax.Array:
+    """KVzip scores [L, B, K, C m] of the context pairs (context offset i is cache slot prefix_len + i).
+
+    The cache must hold exactly [prefix | context] per row; it is not modified (the reread runs on a copy with
+    room for one reread input). Columns past a row's context length are -inf.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    num_chunks, B, W = reread.tokens.shape
+    reread_start = cache.next_position  # [B]; the cache holds [prefix | context] only
+    cache = kv.grow(cache, W)
+    per_chunk = []
+    for t in range(num_chunks):
+        observer = RereadObserver(
+            prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
+            reread_start=reread_start, num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant,
+            kvzip_plus=kvzip_plus)
+        positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
+        _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
+                            num_new=reread.num_valid[t], logits=None)
+        per_chunk.append(jnp.stack(aux["observed"]))  # [L, B, K, m]
+    scores = jnp.concatenate(per_chunk, axis=-1)  # [L, B, K, C m]
+    in_context = jnp.arange(scores.shape[-1]) < reread.context_len[:, None]  # [B, C m]
+    return jnp.where(in_context[None, :, None, :], scores, -jnp.inf)
