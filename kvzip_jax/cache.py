@@ -24,6 +24,7 @@ class LayerCache:
     k: jax.Array  # [B, K, C, H]
     v: jax.Array  # [B, K, C, H]
     lengths: jax.Array  # [B, K] int32, filled slots per KV head
+    keep: jax.Array | None = None  # [B, K, C] bool in a masked compressed cache: False slots are evicted
 
     @property
     def capacity(self) -> int:
@@ -79,6 +80,7 @@ def write(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, num_new: jax.Ar
         k=write_all(layer.k, k_new, layer.lengths, num_new),
         v=write_all(layer.v, v_new, layer.lengths, num_new),
         lengths=layer.lengths + num_new[:, None].astype(jnp.int32),
+        keep=layer.keep,  # slots past the context are kept (True) in a masked cache
     )
 
 
@@ -121,6 +123,57 @@ def rewind(cache: KVCache, to: CacheMark) -> KVCache:
 def grow(cache: KVCache, extra: int) -> KVCache:
     """The same cache with `extra` more empty slots per KV head (a copy)."""
     pad = ((0, 0), (0, 0), (0, extra), (0, 0))
-    layers = tuple(dataclasses.replace(layer, k=jnp.pad(layer.k, pad), v=jnp.pad(layer.v, pad))
-                   for layer in cache.layers)
+    grow_keep = lambda keep: None if keep is None else jnp.pad(keep, pad[:3], constant_values=True)
+    layers = tuple(dataclasses.replace(layer, k=jnp.pad(layer.k, pad), v=jnp.pad(layer.v, pad),
+                                       keep=grow_keep(layer.keep)) for layer in cache.layers)
     return dataclasses.replace(cache, layers=layers)
+
+
+def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array) -> KVCache:
+    """A masked compressed cache: context slots [prefix_len, prefix_len + n) follow keep [L, B, K, n]; every other
+    slot (the prefix, anything appended later) stays visible. Nothing is moved; memory is unchanged."""
+    L, B, K, n = keep.shape
+    layers = []
+    for layer, layer_keep in zip(cache.layers, keep):
+        slots = jnp.arange(layer.capacity, dtype=jnp.int32)  # [C]
+        offset = slots[None, :] - prefix_len[:, None]  # [B, C] context offset of each slot
+        in_context = (offset >= 0) & (offset < n)
+        gathered = jnp.take_along_axis(layer_keep, jnp.clip(offset, 0, n - 1)[:, None, :], axis=-1)  # [B, K, C]
+        layers.append(dataclasses.replace(layer, keep=jnp.where(in_context[:, None, :], gathered, True)))
+    return dataclasses.replace(cache, layers=tuple(layers))
+
+
+def pack(cache: KVCache, capacity: int) -> KVCache:
+    """A ragged compressed cache from a masked one: each (layer, KV head) keeps only its visible filled slots,
+    moved to the front in their original order, in a cache of `capacity` slots (room for appended tokens
+    included). Keys keep their original RoPE positions; next_position is unchanged.
+
+    Pairs beyond `capacity` are dropped (no error under jit): pick capacity >= the most pairs any head keeps
+    (kept_per_head) plus the room needed.
+    """
+    layers = []
+    for layer in cache.layers:
+        visible = jnp.arange(layer.capacity) < layer.lengths[..., None]  # [B, K, C] filled
+        if layer.keep is not None:
+            visible &= layer.keep
+        k, v = layer.k, layer.v
+        if capacity > layer.capacity:
+            pad = ((0, 0), (0, 0), (0, capacity - layer.capacity), (0, 0))
+            k, v, visible = jnp.pad(k, pad), jnp.pad(v, pad), jnp.pad(visible, pad[:3])
+        order = jnp.argsort(~visible, axis=-1, stable=True)[..., :capacity, None]  # [B, K, capacity, 1]
+        kept = jnp.minimum(visible.sum(-1), capacity).astype(jnp.int32)  # [B, K]
+        in_use = (jnp.arange(capacity) < kept[..., None])[..., None]  # unused slots are zeroed
+        gather = lambda x: jnp.where(in_use, jnp.take_along_axis(x, order, axis=2), 0).astype(x.dtype)
+        layers.append(LayerCache(k=gather(k), v=gather(v), lengths=kept))
+    return KVCache(layers=tuple(layers), next_position=jnp.array(cache.next_position))  # a copy: donation-safe
+
+
+def kept_per_head(cache: KVCache) -> jax.Array:
+    """[L, B, K] visible filled slots of every head (what pack needs room for)."""
+    counts = []
+    for layer in cache.layers:
+        visible = jnp.arange(layer.capacity) < layer.lengths[..., None]
+        if layer.keep is not None:
+            visible &= layer.keep
+        counts.append(visible.sum(-1))
+    return jnp.stack(counts).astype(jnp.int32)

@@ -63,13 +63,17 @@ def mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> j
     return (act * up) @ down
 
 
-def attention_mask(query_slots: jax.Array, num_slots: int, window: int | None) -> jax.Array:
-    """[B, K, T, S] bool: key slot s is visible to the query in slot q iff s <= q (and q - s < window)."""
+def attention_mask(query_slots: jax.Array, num_slots: int, window: int | None,
+                   key_keep: jax.Array | None = None) -> jax.Array:
+    """[B, K, T, S] bool: key slot s is visible to the query in slot q iff s <= q (and q - s < window, and the
+    slot is kept in a masked cache: key_keep [B, K, S])."""
     key_slots = jnp.arange(num_slots, dtype=jnp.int32)  # [S]
     q = query_slots[..., None]  # [B, K, T, 1]
     visible = key_slots <= q
     if window is not None:
         visible &= (q - key_slots) < window
+    if key_keep is not None:
+        visible &= key_keep[:, :, None, :]
     return visible
 
 
@@ -111,12 +115,13 @@ def grouped_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
 
 
 def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, query_slots: jax.Array, window: int | None,
-                      scale: float, block: int = 256) -> jax.Array:
+                      scale: float, key_keep: jax.Array | None = None, block: int = 256) -> jax.Array:
     """Same result as grouped_attention, without materialising scores over the whole cache.
 
     Loops over key blocks of `block` slots up to the furthest query slot only (a dynamic trip count, so a short
     context in a large cache costs what its length costs) with an online softmax in float32.
-    q [B, T, K, G, H], k, v [B, K, C, H], query_slots [B, K, T]. Returns [B, T, K, G, H].
+    q [B, T, K, G, H], k, v [B, K, C, H], query_slots [B, K, T], key_keep [B, K, C] (masked caches) or None.
+    Returns [B, T, K, G, H].
     """
     B, T, K, G, H = q.shape
     C = k.shape[2]
@@ -137,6 +142,8 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, query_slots: jax
         visible = key_slots <= query_slots[..., None]  # [B, K, T, S]
         if window is not None:
             visible &= (query_slots[..., None] - key_slots) < window
+        if key_keep is not None:
+            visible &= jax.lax.dynamic_slice_in_dim(key_keep, j * block, block, axis=2)[:, :, None, :]
         s = jnp.where(visible[:, :, None], s.reshape(B, K, G, T, block), MASK_VALUE).reshape(B, K, G * T, block)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None])  # [B, K, M, S]

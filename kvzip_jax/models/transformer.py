@@ -64,9 +64,10 @@ class Block(nn.Module):
         observed = None
         if self.observer is None:
             out = layers.blocked_attention(q, layer_cache.k, layer_cache.v, query_slots, cfg.window_for(i),
-                                           cfg.query_scale)
+                                           cfg.query_scale, layer_cache.keep)
         else:  # observers see the dense attention weights
-            mask = layers.attention_mask(query_slots, layer_cache.capacity, cfg.window_for(i))  # [B, K, T, S]
+            mask = layers.attention_mask(query_slots, layer_cache.capacity, cfg.window_for(i),
+                                         layer_cache.keep)  # [B, K, T, S]
             out, probs = layers.grouped_attention(q, layer_cache.k, layer_cache.v, mask, cfg.query_scale)
             observed = self.observer(layers.AttentionView(
                 layer=i, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, mask=mask, probs=probs,

@@ -1,0 +1,66 @@
+"""Masked and ragged compressed caches: ratio 1.0 is the full cache, ragged decoding equals masked decoding,
+and a head that keeps nothing gives no NaN."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.kvzip.evict import keep_mask
+from kvzip_jax.models.params import init_params
+
+PREFIX, CONTEXT = 4, 36
+CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2,
+                  head_dim=8, intermediate_size=64, rms_norm_eps=1e-6, max_position=1024, rope=RopeSpec(1000.0))
+PARAMS = init_params(CFG, seed=1, scale=0.15)
+RNG = np.random.default_rng(0)
+SEQUENCE = RNG.integers(0, CFG.vocab_size, PREFIX + CONTEXT).astype(np.int32)
+QUESTION = RNG.integers(0, CFG.vocab_size, 6).astype(np.int32)
+SCORES = jnp.asarray(RNG.random((CFG.num_layers, 1, CFG.num_kv_heads, CONTEXT)), jnp.float32)
+
+
+def _context_cache():
+    return gen.prefill(PARAMS, CFG, [SEQUENCE], capacity=64)[1]
+
+
+def _masked(keep):
+    return kv.mask_context(_context_cache(), keep, jnp.array([PREFIX]))
+
+
+def test_ratio_one_equals_the_uncompressed_cache():
+    keep = keep_mask(SCORES, jnp.array([CONTEXT]), 1.0)
+    full, _ = gen.prefill(PARAMS, CFG, [QUESTION], _context_cache())
+    masked, _ = gen.prefill(PARAMS, CFG, [QUESTION], _masked(keep))
+    ragged, _ = gen.prefill(PARAMS, CFG, [QUESTION], kv.pack(_masked(keep), 64))
+    np.testing.assert_array_equal(np.asarray(masked), np.asarray(full))
+    np.testing.assert_allclose(np.asarray(ragged), np.asarray(full), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("level", ["pair", "pair-uniform", "layer"])
+def test_ragged_decoding_equals_masked_decoding(level):
+    keep = keep_mask(SCORES, jnp.array([CONTEXT]), 0.3, level)
+    masked = _masked(keep)
+    most_kept = int(kv.kept_per_head(masked).max())
+    assert most_kept < PREFIX + CONTEXT
+    ragged = kv.pack(masked, 32)
+    assert kv.nbytes(ragged) < kv.nbytes(masked) / 2
+    assert np.array_equal(np.asarray(kv.kept_per_head(ragged)), np.asarray(kv.kept_per_head(masked)))
+    logits_m, masked = gen.prefill(PARAMS, CFG, [QUESTION], masked)
+    logits_r, ragged = gen.prefill(PARAMS, CFG, [QUESTION], ragged)
+    np.testing.assert_allclose(np.asarray(logits_r), np.asarray(logits_m), atol=1e-4, rtol=0)
+    out_m, _ = gen.decode(PARAMS, CFG, logits_m, masked, 8)
+    out_r, _ = gen.decode(PARAMS, CFG, logits_r, ragged, 8)
+    assert out_m == out_r
+
+
+def test_a_head_that_keeps_nothing_gives_no_nan():
+    keep = np.ones((CFG.num_layers, 1, CFG.num_kv_heads, CONTEXT), bool)
+    keep[0, 0, 1] = False  # layer 0, KV head 1 keeps no context pair
+    masked = _masked(jnp.asarray(keep))
+    no_prefix = kv.mask_context(_context_cache(), jnp.zeros_like(jnp.asarray(keep)), jnp.array([0]))
+    for cache in (masked, kv.pack(masked, 48), no_prefix, kv.pack(no_prefix, 48)):
+        logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, cache))
+        assert np.isfinite(np.asarray(logits)).all()
