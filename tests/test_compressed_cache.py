@@ -9,7 +9,7 @@ import pytest
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.config import ModelConfig, RopeSpec
-from kvzip_jax.kvzip.evict import keep_mask
+from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.models.params import init_params
 
 PREFIX, CONTEXT = 4, 36
@@ -64,3 +64,21 @@ def test_a_head_that_keeps_nothing_gives_no_nan():
     for cache in (masked, kv.pack(masked, 48), no_prefix, kv.pack(no_prefix, 48)):
         logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, cache))
         assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_score_and_evict_jits_as_written_and_a_new_ratio_does_not_recompile():
+    from kvzip_jax import kvzip
+    from tests.test_kvzip_score import _inputs
+
+    reread, _ = _inputs(CFG, SEQUENCE[:PREFIX], SEQUENCE[PREFIX:], 16)
+    compress = jax.jit(kvzip.score_and_evict)
+    masked, scores = compress(PARAMS, CFG, _context_cache(), reread, 0.3)
+    eager_masked, eager_scores = kvzip.score_and_evict(PARAMS, CFG, _context_cache(), reread, 0.3)
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(eager_scores), atol=1e-6)
+    for a, b in zip(masked.layers, eager_masked.layers):
+        np.testing.assert_array_equal(np.asarray(a.keep), np.asarray(b.keep))
+    kept = int(kv.kept_per_head(masked).sum()) - CFG.num_layers * CFG.num_kv_heads * PREFIX
+    assert kept == int(0.3 * CFG.num_layers * CFG.num_kv_heads * CONTEXT)
+    compiled = compress._cache_size()
+    compress(PARAMS, CFG, _context_cache(), reread, 0.5)
+    assert compress._cache_size() == compiled

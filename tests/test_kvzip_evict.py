@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvzip_jax.kvzip.evict import LEVELS, RatioError, keep_mask
+from kvzip_jax.kvzip.eviction import LEVELS, RatioError, keep_mask
 
 L, B, K, N = 3, 2, 2, 17
 

@@ -7,7 +7,7 @@ import pytest
 
 from kvzip_jax import generate as gen
 from kvzip_jax.config import ModelConfig, RopeSpec
-from kvzip_jax.kvzip import score as kvscore
+from kvzip_jax.kvzip import scoring as kvscore
 from kvzip_jax.models.params import init_params
 
 
