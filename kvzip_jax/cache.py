@@ -129,15 +129,16 @@ def grow(cache: KVCache, extra: int) -> KVCache:
     return dataclasses.replace(cache, layers=layers)
 
 
-def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array) -> KVCache:
-    """A masked compressed cache: context slots [prefix_len, prefix_len + n) follow keep [L, B, K, n]; every other
-    slot (the prefix, anything appended later) stays visible. Nothing is moved; memory is unchanged."""
+def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context_len: jax.Array) -> KVCache:
+    """A masked compressed cache: context slots [prefix_len, prefix_len + context_len) follow keep [L, B, K, n]
+    (n >= context_len); every other slot (the prefix, anything appended later) stays visible. Nothing is moved;
+    memory is unchanged."""
     L, B, K, n = keep.shape
     layers = []
     for layer, layer_keep in zip(cache.layers, keep):
         slots = jnp.arange(layer.capacity, dtype=jnp.int32)  # [C]
         offset = slots[None, :] - prefix_len[:, None]  # [B, C] context offset of each slot
-        in_context = (offset >= 0) & (offset < n)
+        in_context = (offset >= 0) & (offset < context_len[:, None])
         gathered = jnp.take_along_axis(layer_keep, jnp.clip(offset, 0, n - 1)[:, None, :], axis=-1)  # [B, K, C]
         layers.append(dataclasses.replace(layer, keep=jnp.where(in_context[:, None, :], gathered, True)))
     return dataclasses.replace(cache, layers=tuple(layers))

@@ -27,7 +27,7 @@ def _context_cache():
 
 
 def _masked(keep):
-    return kv.mask_context(_context_cache(), keep, jnp.array([PREFIX]))
+    return kv.mask_context(_context_cache(), keep, jnp.array([PREFIX]), jnp.array([CONTEXT]))
 
 
 def test_ratio_one_equals_the_uncompressed_cache():
@@ -60,7 +60,8 @@ def test_a_head_that_keeps_nothing_gives_no_nan():
     keep = np.ones((CFG.num_layers, 1, CFG.num_kv_heads, CONTEXT), bool)
     keep[0, 0, 1] = False  # layer 0, KV head 1 keeps no context pair
     masked = _masked(jnp.asarray(keep))
-    no_prefix = kv.mask_context(_context_cache(), jnp.zeros_like(jnp.asarray(keep)), jnp.array([0]))
+    no_prefix = kv.mask_context(_context_cache(), jnp.zeros_like(jnp.asarray(keep)), jnp.array([0]),
+                                jnp.array([PREFIX + CONTEXT]))
     for cache in (masked, kv.pack(masked, 48), no_prefix, kv.pack(no_prefix, 48)):
         logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, cache))
         assert np.isfinite(np.asarray(logits)).all()
@@ -82,3 +83,23 @@ def test_score_and_evict_jits_as_written_and_a_new_ratio_does_not_recompile():
     compiled = compress._cache_size()
     compress(PARAMS, CFG, _context_cache(), reread, 0.5)
     assert compress._cache_size() == compiled
+
+
+def test_gemma_sliding_layers_keep_their_context_and_global_layers_are_evicted():
+    from kvzip_jax import kvzip
+    from tests.test_kvzip_score import _inputs
+
+    cfg = ModelConfig(architecture="gemma3", vocab_size=101, hidden_size=48, num_layers=3, num_heads=4,
+                      num_kv_heads=1, head_dim=16, intermediate_size=64, rms_norm_eps=1e-6, max_position=1024,
+                      rope=RopeSpec(10000.0), rope_sliding=RopeSpec(100.0), layer_types=("sliding", "full", "sliding"),
+                      sliding_window=8, qk_norm=True, sandwich_norms=True, activation="gelu_tanh", embed_scale=48**0.5)
+    params = init_params(cfg, seed=2, scale=0.15)
+    reread, _ = _inputs(cfg, SEQUENCE[:PREFIX], SEQUENCE[PREFIX:], 16)
+    _, cache = gen.prefill(params, cfg, [SEQUENCE], capacity=64)
+    masked, scores = jax.jit(kvzip.score_and_evict)(params, cfg, cache, reread, 0.3)
+    assert not np.asarray(scores[0, :, :, :CONTEXT]).any() and np.asarray(scores[1, :, :, :CONTEXT]).all()
+    kept = np.asarray(kv.kept_per_head(masked))[:, 0, 0]  # [L]
+    assert kept.tolist() == [PREFIX + CONTEXT, PREFIX + int(0.3 * CONTEXT), PREFIX + CONTEXT]
+    logits_m, _ = gen.prefill(params, cfg, [QUESTION], jax.tree.map(jnp.array, masked))
+    logits_r, _ = gen.prefill(params, cfg, [QUESTION], kv.pack(masked, 64))
+    np.testing.assert_allclose(np.asarray(logits_r), np.asarray(logits_m), atol=1e-4, rtol=0)

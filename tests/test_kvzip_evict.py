@@ -93,3 +93,12 @@ def test_a_head_may_keep_nothing_and_nothing_is_nan():
 def test_ratio_outside_unit_interval_is_a_named_error(ratio):
     with pytest.raises(RatioError, match="ratio"):
         keep_mask(jnp.zeros((L, B, K, N)), jnp.array([N, N]), ratio)
+
+
+def test_only_evictable_layers_compete_for_the_budget():
+    scores = jnp.asarray(np.random.default_rng(3).random((L, B, K, N)), jnp.float32)
+    keep = np.asarray(keep_mask(scores, jnp.array([N, 10]), 0.25, "pair", evictable=(1,)))
+    for b, c in enumerate([N, 10]):
+        assert keep[0, b, :, :c].all() and keep[2, b, :, :c].all()  # not evictable: whole context kept
+        assert keep[1, b].sum() == K * c * 25 // 100  # the ratio counts the evictable layer alone
+        assert not keep[:, b, :, c:].any()

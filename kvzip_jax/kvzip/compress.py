@@ -16,7 +16,7 @@ import jax
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip.eviction import LEVELS, keep_mask
-from kvzip_jax.kvzip.scoring import VARIANTS, RereadInputs, score
+from kvzip_jax.kvzip.scoring import VARIANTS, RereadInputs, evictable_layers, score
 
 
 @jax.tree_util.register_static
@@ -41,8 +41,9 @@ def score_and_evict(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadI
     """Scores the context pairs of cache ([prefix | context] per row) and masks all but a `ratio` of them.
 
     Returns (masked cache, scores [L, B, K, n]). One scoring pass serves any number of ratios: call
-    `kv.mask_context(cache, keep_mask(scores, ...), prefix_len)` again with another ratio.
+    `kv.mask_context(cache, keep_mask(scores, ...), prefix_len, context_len)` again with another ratio. Only the
+    full-attention layers are scored and evicted (Gemma 3's sliding-window layers keep their window).
     """
     scores = score(params, cfg, cache, reread, config.variant, config.kvzip_plus)
-    keep = keep_mask(scores, reread.context_len, ratio, config.level)
-    return kv.mask_context(cache, keep, reread.prefix_len), scores
+    keep = keep_mask(scores, reread.context_len, ratio, config.level, evictable_layers(cfg))
+    return kv.mask_context(cache, keep, reread.prefix_len, reread.context_len), scores

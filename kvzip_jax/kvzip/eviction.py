@@ -38,15 +38,24 @@ def _top_counts(scores: jax.Array, counts: jax.Array) -> jax.Array:
     return ranks < counts[..., None]
 
 
-def keep_mask(scores: jax.Array, context_len: jax.Array, ratio, level: str = "pair") -> jax.Array:
+def keep_mask(scores: jax.Array, context_len: jax.Array, ratio, level: str = "pair",
+              evictable: tuple[int, ...] | None = None) -> jax.Array:
     """keep [L, B, K, n] bool for scores [L, B, K, n] (columns past context_len [B] are never kept).
 
-    For level "head", scores are per-head constants broadcast over n (see head_scores).
+    evictable: the layers whose pairs compete (default all); the others keep their whole context (Gemma 3's
+    sliding-window layers), and the ratio counts evictable layers only. For level "head", scores are per-head
+    constants broadcast over n.
     """
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     check_ratio(ratio)
     L, B, K, n = scores.shape
+    if evictable is not None and tuple(evictable) != tuple(range(L)):
+        chosen = jnp.asarray(evictable, jnp.int32)
+        partial = keep_mask(scores[chosen], context_len, ratio, level)
+        in_context = jnp.arange(n) < context_len[:, None]  # [B, n]
+        full = jnp.broadcast_to(in_context[None, :, None, :], (L, B, K, n))
+        return full.at[chosen].set(partial)
     ratio = jnp.asarray(ratio, jnp.float32)
     in_context = jnp.arange(n) < context_len[:, None]  # [B, n]
     scores = jnp.where(in_context[None, :, None, :], scores.astype(jnp.float32), -jnp.inf)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax import cache as kv
-from kvzip_jax.config import ModelConfig
+from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.models.layers import MASK_VALUE, AttentionView
 from kvzip_jax.models.transformer import forward
 
@@ -51,9 +51,12 @@ class RereadObserver:
     width: int = _static(DEFAULT_CHUNK)
     variant: str = _static("softmax")
     kvzip_plus: bool = _static(False)
+    scored_layers: tuple[int, ...] | None = _static(None)  # None: all; others get zeros (never evicted)
 
     def __call__(self, view: AttentionView) -> jax.Array:
         B, T, K, G, H = view.q.shape
+        if self.scored_layers is not None and view.layer not in self.scored_layers:
+            return jnp.zeros((B, K, self.width), jnp.float32)
         S = view.k.shape[2]
         slots = jnp.arange(S, dtype=jnp.int32)  # [S]
         column = lambda a: a[:, None]  # [B] -> [B, 1]
@@ -125,9 +128,15 @@ def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAU
         prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size)
 
 
+def evictable_layers(cfg: ModelConfig) -> tuple[int, ...]:
+    """Layers KVzip scores and evicts: the full-attention ones (Gemma 3's sliding layers keep their window)."""
+    return tuple(i for i, kind in enumerate(cfg.layer_types) if kind == FULL)
+
+
 def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, variant: str = "softmax",
           kvzip_plus: bool = False) -> jax.Array:
     """KVzip scores [L, B, K, C m] of the context pairs (context offset i is cache slot prefix_len + i).
+    Layers outside evictable_layers(cfg) are not scored (zeros).
 
     The cache must hold exactly [prefix | context] per row; it is not modified (the reread runs on a copy with
     room for one reread input). Columns past a row's context length are -inf.
@@ -142,7 +151,7 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         observer = RereadObserver(
             prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
             reread_start=reread_start, num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant,
-            kvzip_plus=kvzip_plus)
+            kvzip_plus=kvzip_plus, scored_layers=evictable_layers(cfg))
         positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
         _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)

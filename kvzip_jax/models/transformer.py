@@ -61,14 +61,13 @@ class Block(nn.Module):
         query_slots = start[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, K, T]
         q = q.reshape(B, T, K, G, H)
         o_proj = p("o")  # [N H, D]
+        out = layers.blocked_attention(q, layer_cache.k, layer_cache.v, query_slots, cfg.window_for(i),
+                                       cfg.query_scale, layer_cache.keep)
         observed = None
-        if self.observer is None:
-            out = layers.blocked_attention(q, layer_cache.k, layer_cache.v, query_slots, cfg.window_for(i),
-                                           cfg.query_scale, layer_cache.keep)
-        else:  # observers see the dense attention weights
+        if self.observer is not None:  # dense weights for the observer only; XLA drops them if it never reads them
             mask = layers.attention_mask(query_slots, layer_cache.capacity, cfg.window_for(i),
                                          layer_cache.keep)  # [B, K, T, S]
-            out, probs = layers.grouped_attention(q, layer_cache.k, layer_cache.v, mask, cfg.query_scale)
+            _, probs = layers.grouped_attention(q, layer_cache.k, layer_cache.v, mask, cfg.query_scale)
             observed = self.observer(layers.AttentionView(
                 layer=i, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, mask=mask, probs=probs,
                 query_slots=query_slots, o_proj=o_proj, scale=cfg.query_scale))
