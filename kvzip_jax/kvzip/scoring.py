@@ -52,31 +52,36 @@ class RereadObserver:
     variant: str = _static("softmax")
     kvzip_plus: bool = _static(False)
     scored_layers: tuple[int, ...] | None = _static(None)  # None: all; others get zeros (never evicted)
+    prefix_cap: int = _static(64)  # static slots read for the prefix (>= every row's prefix_len)
 
     def __call__(self, view: AttentionView) -> jax.Array:
         B, T, K, G, H = view.q.shape
+        P, m = self.prefix_cap, self.width
         if self.scored_layers is not None and view.layer not in self.scored_layers:
-            return jnp.zeros((B, K, self.width), jnp.float32)
-        S = view.k.shape[2]
-        slots = jnp.arange(S, dtype=jnp.int32)  # [S]
-        column = lambda a: a[:, None]  # [B] -> [B, 1]
-        cached = (slots < column(self.prefix_len)) | (
-            (slots >= column(self.chunk_start)) & (slots < column(self.chunk_start + self.chunk_len)))  # [B, S]
-        own = (slots >= self.reread_start[:, None, None, None]) & (slots <= view.query_slots[..., None])
-        visible = cached[:, None, None, :] | own  # [B, K, T, S]
-        logits = jnp.einsum("BTKGH,BKSH->BKGTS", view.q, view.k, preferred_element_type=jnp.float32) * view.scale
-        logits = jnp.where(visible[:, :, None], logits, MASK_VALUE)
-        stat = jax.nn.softmax(logits, axis=-1) if self.variant == "softmax" else logits  # [B, K, G, T, S]
+            return jnp.zeros((B, K, m), jnp.float32)
+        # Only the scoring key set is gathered: [prefix (P slots) | this chunk (m) | the reread itself (T)].
+        take = lambda x, start, size: jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, size, 1))(
+            x, start)  # [B, K, S, H] -> [B, K, size, H]
+        chunk_v = take(view.v, self.chunk_start, m)
+        keys = jnp.concatenate([view.k[:, :, :P], take(view.k, self.chunk_start, m),
+                                take(view.k, self.reread_start, T)], axis=2)  # [B, K, P + m + T, H]
+        prefix_visible = jnp.arange(P) < self.prefix_len[:, None]  # [B, P]
+        chunk_visible = jnp.arange(m) < self.chunk_len[:, None]  # [B, m]
+        cached = jnp.concatenate([prefix_visible, chunk_visible], axis=1)[:, None, :]  # [B, 1, P + m]
+        causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))  # [B, T, T]
+        visible = jnp.concatenate([jnp.broadcast_to(cached, (B, T, P + m)), causal], axis=2)  # [B, T, P + m + T]
+        logits = jnp.einsum("BTKGH,BKSH->BKGTS", view.q, keys, preferred_element_type=jnp.float32) * view.scale
+        logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
+        stat = jax.nn.softmax(logits, axis=-1) if self.variant == "softmax" else logits  # [B, K, G, T, P + m + T]
+        stat = stat[..., P:P + m]  # the chunk's columns
         if self.kvzip_plus:
             query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)  # [B, T]
             o_proj = view.o_proj.reshape(K, G, H, -1)  # [K, G, H, D]
-            value_norm = jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", view.v, o_proj), axis=-1)  # [B, K, G, S]
+            value_norm = jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", chunk_v, o_proj), axis=-1)  # [B, K, G, m]
             stat = stat / query_norm[:, None, None, :, None] * value_norm[:, :, :, None, :]
         real_row = jnp.arange(T) < self.num_valid[:, None]  # [B, T]
         stat = jnp.where(real_row[:, None, None, :, None], stat, -jnp.inf)
-        best = stat.max(axis=(2, 3))  # [B, K, S]
-        take = lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, self.width, axis=-1)
-        return jax.vmap(take)(best, self.chunk_start)  # [B, K, width]
+        return stat.max(axis=(2, 3))  # [B, K, m]
 
 
 @jax.tree_util.register_dataclass
@@ -91,6 +96,7 @@ class RereadInputs:
     prefix_len: jax.Array  # [B]
     context_len: jax.Array  # [B]
     chunk_size: int = _static(DEFAULT_CHUNK)
+    prefix_cap: int = _static(64)  # a bucket >= the longest prefix
 
 
 def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAULT_CHUNK,
@@ -125,7 +131,13 @@ def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAU
         tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid),
         chunk_start=jnp.asarray(prefix[None, :] + starts),
         chunk_len=jnp.asarray(np.clip(lengths[None, :] - starts, 0, chunk_size)),
-        prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size)
+        prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size,
+        prefix_cap=prefix_bucket(int(prefix.max())))
+
+
+def prefix_bucket(prefix_len: int) -> int:
+    """Static number of slots the scoring reads for the prefix: a power of two >= prefix_len (at least 16)."""
+    return max(16, 1 << max(prefix_len - 1, 0).bit_length())
 
 
 def evictable_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -151,7 +163,7 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         observer = RereadObserver(
             prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
             reread_start=reread_start, num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant,
-            kvzip_plus=kvzip_plus, scored_layers=evictable_layers(cfg))
+            kvzip_plus=kvzip_plus, scored_layers=evictable_layers(cfg), prefix_cap=reread.prefix_cap)
         positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
         _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)
