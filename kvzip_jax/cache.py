@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvzip_jax.config import ModelConfig
 
@@ -43,11 +44,16 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.layers[0].capacity
+        """Slots per KV head of the smallest layer (compressed caches may size each layer on its own)."""
+        return min(layer.capacity for layer in self.layers)
 
     def lengths(self) -> jax.Array:
         """[L, B, K] filled slots of every layer and KV head."""
         return jnp.stack([layer.lengths for layer in self.layers])
+
+    def room(self) -> jax.Array:
+        """[B] tokens every layer and KV head of a row can still take."""
+        return jnp.min(jnp.stack([layer.capacity - layer.lengths for layer in self.layers]), axis=(0, 2))
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -65,15 +71,24 @@ def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float
 def write(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array) -> LayerCache:
     """Writes the first num_new [B] of k_new, v_new [B, K, T, H] at each head's filled length.
 
-    Padding rows (t >= num_new) leave the cache untouched, so a finished row of a batch never loses pairs.
+    Padding rows (t >= num_new) are dropped, never written, so neither a finished row of a batch nor a cache
+    with less spare room than the padded width loses pairs.
     """
     T = k_new.shape[2]
 
     def write_head(cache_kh, new_kh, start, count):  # [C, H], [T, H], [], []
-        old = jax.lax.dynamic_slice_in_dim(cache_kh, start, T, axis=0)  # [T, H]
-        keep_new = (jnp.arange(T) < count)[:, None]
-        update = jnp.where(keep_new, new_kh.astype(cache_kh.dtype), old)
-        return jax.lax.dynamic_update_slice_in_dim(cache_kh, update, start, axis=0)
+        C = cache_kh.shape[0]
+        new_kh = new_kh.astype(cache_kh.dtype)
+        rows = jnp.arange(T)
+        if T > C:  # a padded block wider than the whole cache: scatter the real rows
+            target = jnp.where(rows < count, start + rows, C)  # padding aims past the end: dropped
+            return cache_kh.at[target].set(new_kh, mode="drop")
+        base = jnp.minimum(start, C - T)  # a block that fits; the real rows go to start within it
+        shift = start - base
+        old = jax.lax.dynamic_slice_in_dim(cache_kh, base, T, axis=0)  # [T, H]
+        moved = jnp.roll(new_kh, shift, axis=0)
+        real = ((rows >= shift) & (rows - shift < count))[:, None]
+        return jax.lax.dynamic_update_slice_in_dim(cache_kh, jnp.where(real, moved, old), base, axis=0)
 
     write_all = jax.vmap(jax.vmap(write_head, in_axes=(0, 0, 0, None)))
     return LayerCache(
@@ -144,16 +159,17 @@ def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context
     return dataclasses.replace(cache, layers=tuple(layers))
 
 
-def pack(cache: KVCache, capacity: int) -> KVCache:
+def pack(cache: KVCache, capacity) -> KVCache:
     """A ragged compressed cache from a masked one: each (layer, KV head) keeps only its visible filled slots,
-    moved to the front in their original order, in a cache of `capacity` slots (room for appended tokens
-    included). Keys keep their original RoPE positions; next_position is unchanged.
+    moved to the front in their original order. capacity: slots per head, one int for all layers or one per layer
+    (room for appended tokens included). Keys keep their original RoPE positions; next_position is unchanged.
 
-    Pairs beyond `capacity` are dropped (no error under jit): pick capacity >= the most pairs any head keeps
-    (kept_per_head) plus the room needed.
+    Pairs beyond a capacity are dropped (no error under jit): pick each >= the most pairs a head of that layer
+    keeps (kept_per_head) plus the room needed; ragged_capacities does that.
     """
+    capacities = [capacity] * len(cache.layers) if isinstance(capacity, int) else list(capacity)
     layers = []
-    for layer in cache.layers:
+    for layer, capacity in zip(cache.layers, capacities):
         visible = jnp.arange(layer.capacity) < layer.lengths[..., None]  # [B, K, C] filled
         if layer.keep is not None:
             visible &= layer.keep
@@ -167,6 +183,12 @@ def pack(cache: KVCache, capacity: int) -> KVCache:
         gather = lambda x: jnp.where(in_use, jnp.take_along_axis(x, order, axis=2), 0).astype(x.dtype)
         layers.append(LayerCache(k=gather(k), v=gather(v), lengths=kept))
     return KVCache(layers=tuple(layers), next_position=jnp.array(cache.next_position))  # a copy: donation-safe
+
+
+def ragged_capacities(cache: KVCache, room: int, multiple: int = 64) -> tuple[int, ...]:
+    """Per-layer capacities for pack: the most pairs a head of the layer keeps, plus room, rounded up."""
+    most = np.asarray(kept_per_head(cache)).max(axis=(1, 2))  # [L]
+    return tuple(int(-(-(n + room) // multiple) * multiple) for n in most)
 
 
 def kept_per_head(cache: KVCache) -> jax.Array:

@@ -77,11 +77,11 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
         cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg))
     if cache.batch_size != B:
         raise ValueError(f"{B} token rows for a cache of batch size {cache.batch_size}")
-    filled = np.asarray(jnp.max(cache.lengths(), axis=(0, 2)))  # [B]
+    room = np.asarray(cache.room())  # [B]
     positions_after = np.asarray(cache.next_position) + lengths
-    if np.any(filled + lengths > cache.capacity):
-        raise ContextTooLongError(f"{int((filled + lengths).max())} tokens do not fit a cache of capacity "
-                                  f"{cache.capacity}")
+    if np.any(lengths > room):
+        raise ContextTooLongError(f"{int(lengths.max())} new tokens do not fit the cache: room for "
+                                  f"{int(room.min())} (capacity {cache.capacity})")
     if np.any(positions_after > cfg.max_position):
         raise ContextTooLongError(f"position {int(positions_after.max())} exceeds the model's maximum context of "
                                   f"{cfg.max_position}")
@@ -137,12 +137,9 @@ def sample(logits: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
 def _decode_loop(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new, stop_tokens, sampling: Sampling,
                  buffer: int):
     B = logits.shape[0]
-    capacity = cache.capacity
-
     def cond(state):
         step, _, done, cache, _, _ = state
-        room = jnp.max(cache.lengths()) < capacity
-        return (step < max_new) & ~jnp.all(done) & room
+        return (step < max_new) & ~jnp.all(done) & jnp.all(cache.room() > 0)
 
     def body(state):
         step, out, done, cache, logits, key = state

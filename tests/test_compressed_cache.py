@@ -56,6 +56,21 @@ def test_ragged_decoding_equals_masked_decoding(level):
     assert out_m == out_r
 
 
+def test_per_layer_capacities_store_only_what_each_layer_keeps():
+    scores = np.asarray(SCORES).copy()
+    scores[0] += 1.0  # layer 0 wins most of the global budget
+    masked = _masked(keep_mask(jnp.asarray(scores), jnp.array([CONTEXT]), 0.3, "pair"))
+    capacities = kv.ragged_capacities(masked, room=len(QUESTION), multiple=8)
+    kept = np.asarray(kv.kept_per_head(masked)).max(axis=(1, 2))
+    assert capacities == tuple(int(-(-(n + len(QUESTION)) // 8) * 8) for n in kept) and len(set(capacities)) > 1
+    ragged = kv.pack(masked, capacities)
+    assert [layer.capacity for layer in ragged.layers] == list(capacities)
+    logits_m, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, masked))
+    logits_r, ragged = gen.prefill(PARAMS, CFG, [QUESTION], ragged)
+    np.testing.assert_allclose(np.asarray(logits_r), np.asarray(logits_m), atol=1e-4, rtol=0)
+    assert int(ragged.room().min()) >= 0
+
+
 def test_a_head_that_keeps_nothing_gives_no_nan():
     keep = np.ones((CFG.num_layers, 1, CFG.num_kv_heads, CONTEXT), bool)
     keep[0, 0, 1] = False  # layer 0, KV head 1 keeps no context pair
