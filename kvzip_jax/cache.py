@@ -170,9 +170,7 @@ def pack(cache: KVCache, capacity) -> KVCache:
     capacities = [capacity] * len(cache.layers) if isinstance(capacity, int) else list(capacity)
     layers = []
     for layer, capacity in zip(cache.layers, capacities):
-        visible = jnp.arange(layer.capacity) < layer.lengths[..., None]  # [B, K, C] filled
-        if layer.keep is not None:
-            visible &= layer.keep
+        visible = _visible(layer)  # [B, K, C]
         k, v = layer.k, layer.v
         if capacity > layer.capacity:
             pad = ((0, 0), (0, 0), (0, capacity - layer.capacity), (0, 0))
@@ -193,10 +191,10 @@ def ragged_capacities(cache: KVCache, room: int, multiple: int = 64) -> tuple[in
 
 def kept_per_head(cache: KVCache) -> jax.Array:
     """[L, B, K] visible filled slots of every head (what pack needs room for)."""
-    counts = []
-    for layer in cache.layers:
-        visible = jnp.arange(layer.capacity) < layer.lengths[..., None]
-        if layer.keep is not None:
-            visible &= layer.keep
-        counts.append(visible.sum(-1))
-    return jnp.stack(counts).astype(jnp.int32)
+    return jnp.stack([_visible(layer).sum(-1) for layer in cache.layers]).astype(jnp.int32)
+
+
+def _visible(layer: LayerCache) -> jax.Array:
+    """[B, K, C] bool: filled slots that are not evicted."""
+    visible = jnp.arange(layer.capacity) < layer.lengths[..., None]
+    return visible if layer.keep is None else visible & layer.keep
