@@ -5,7 +5,6 @@ import hashlib
 import importlib.resources
 import importlib.util
 import json
-import shutil
 import tempfile
 from pathlib import Path
 

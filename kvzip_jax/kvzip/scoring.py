@@ -14,7 +14,6 @@ D model width, L layers.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
