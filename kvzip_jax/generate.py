@@ -69,22 +69,19 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
     rows = _as_rows(tokens)
     lengths = np.array([row.size for row in rows], np.int32)  # [B]
     B = len(rows)
-    if cache is None:
-        need = int(lengths.max())
-        if need > cfg.max_position:
-            raise ContextTooLongError(f"a prompt of {need} tokens exceeds the model's maximum context of "
-                                      f"{cfg.max_position}")
-        cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg))
-    if cache.batch_size != B:
+    if cache is not None and cache.batch_size != B:
         raise ValueError(f"{B} token rows for a cache of batch size {cache.batch_size}")
-    room = np.asarray(cache.room())  # [B]
-    positions_after = np.asarray(cache.next_position) + lengths
-    if np.any(lengths > room):
-        raise ContextTooLongError(f"{int(lengths.max())} new tokens do not fit the cache: room for "
-                                  f"{int(room.min())} (capacity {cache.capacity})")
+    positions_after = lengths + (0 if cache is None else np.asarray(cache.next_position))  # [B]
     if np.any(positions_after > cfg.max_position):
         raise ContextTooLongError(f"position {int(positions_after.max())} exceeds the model's maximum context of "
                                   f"{cfg.max_position}")
+    if cache is None:
+        need = int(lengths.max())
+        cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg))
+    room = np.asarray(cache.room())  # [B]
+    if np.any(lengths > room):
+        raise ContextTooLongError(f"{int(lengths.max())} new tokens do not fit the cache: room for "
+                                  f"{int(room.min())} (capacity {cache.capacity})")
 
     last_logits = None
     for start in range(0, int(lengths.max()), chunk):
@@ -137,6 +134,7 @@ def sample(logits: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
 def _decode_loop(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new, stop_tokens, sampling: Sampling,
                  buffer: int):
     B = logits.shape[0]
+
     def cond(state):
         step, _, done, cache, _, _ = state
         return (step < max_new) & ~jnp.all(done) & jnp.all(cache.room() > 0)
