@@ -159,15 +159,12 @@ def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context
     return dataclasses.replace(cache, layers=tuple(layers))
 
 
-def pack(cache: KVCache, capacity) -> KVCache:
+def pack(cache: KVCache, room: int) -> KVCache:
     """A ragged compressed cache from a masked one: each (layer, KV head) keeps only its visible filled slots,
-    moved to the front in their original order. capacity: slots per head, one int for all layers or one per layer
-    (room for appended tokens included). Keys keep their original RoPE positions; next_position is unchanged.
-
-    Pairs beyond a capacity are dropped (no error under jit): pick each >= the most pairs a head of that layer
-    keeps (kept_per_head) plus the room needed; ragged_capacities does that.
-    """
-    capacities = [capacity] * len(cache.layers) if isinstance(capacity, int) else list(capacity)
+    moved to the front in their original order, plus `room` free slots for tokens appended later (question,
+    answer). Keys keep their original RoPE positions; next_position is unchanged. Runs on the host (the kept
+    counts set the shapes)."""
+    capacities = ragged_capacities(cache, room)
     layers = []
     for layer, capacity in zip(cache.layers, capacities):
         visible = _visible(layer)  # [B, K, C]
@@ -183,7 +180,7 @@ def pack(cache: KVCache, capacity) -> KVCache:
     return KVCache(layers=tuple(layers), next_position=jnp.array(cache.next_position))  # a copy: donation-safe
 
 
-def ragged_capacities(cache: KVCache, room: int, multiple: int = 64) -> tuple[int, ...]:
+def ragged_capacities(cache: KVCache, room: int, multiple: int = 16) -> tuple[int, ...]:
     """Per-layer capacities for pack: the most pairs a head of the layer keeps, plus room, rounded up."""
     most = np.asarray(kept_per_head(cache)).max(axis=(1, 2))  # [L]
     return tuple(int(-(-(n + room) // multiple) * multiple) for n in most)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     reread = kvzip.reread_inputs(tok, [prefix_len], [context.ids()[context.context_slice]])
     masked, _ = jax.jit(kvzip.score_and_evict)(model.params, model.cfg, cache, reread, args.ratio)
     room = len(max(suffixes, key=len)) + args.max_new_tokens
-    compressed = kv.pack(masked, kv.ragged_capacities(masked, room))
+    compressed = kv.pack(masked, room)
     jax.block_until_ready(compressed)
     print(f"\nKVzip at ratio {args.ratio} (pair level): scored and evicted in {time.perf_counter() - start:.1f} s "
           f"(including compilation); ragged cache {kv.nbytes(compressed) / 2**20:.1f} MiB allocated vs "

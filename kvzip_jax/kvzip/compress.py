@@ -2,7 +2,7 @@
 
     compress = jax.jit(kvzip.score_and_evict)
     masked, scores = compress(params, cfg, cache, reread, 0.3)      # ratio is an array: no recompilation
-    ragged = kv.pack(masked, capacity)                                # only kept pairs stored
+    ragged = kv.pack(masked, room=64)                                 # only kept pairs stored
 
 Static choices live in KVzipConfig (hashable, registered static), so jit needs no extra arguments.
 """
