@@ -32,10 +32,34 @@ class LayerCache:
         return self.k.shape[2]
 
 
+RAGGED_BLOCK = 16  # slots per block of a ragged layer; every head's segment is a whole number of blocks
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedLayerCache:
+    """A compressed layer storing only kept pairs: one flat store per row holding every KV head's segment.
+
+    Head k's slot i of row b is k[b, offsets[b, k] + i]; its segment runs to the next head's offset (the last to S),
+    so the room left for appended tokens is per head. Segments start on multiples of `block`.
+    """
+
+    k: jax.Array  # [B, S, H]
+    v: jax.Array  # [B, S, H]
+    lengths: jax.Array  # [B, K] int32, filled slots per KV head
+    offsets: jax.Array  # [B, K] int32, first store slot of each head's segment
+    block: int = dataclasses.field(default=RAGGED_BLOCK, metadata=dict(static=True))
+
+    def head_capacity(self) -> jax.Array:
+        """[B, K] slots of each head's segment."""
+        ends = jnp.concatenate([self.offsets[:, 1:], jnp.full_like(self.offsets[:, :1], self.k.shape[1])], axis=1)
+        return ends - self.offsets
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    layers: tuple[LayerCache, ...]
+    layers: tuple[LayerCache | RaggedLayerCache, ...]
     next_position: jax.Array  # [B] int32
 
     @property
@@ -44,8 +68,8 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        """Slots per KV head of the smallest layer (compressed caches may size each layer on its own)."""
-        return min(layer.capacity for layer in self.layers)
+        """Slots per KV head of the smallest dense layer."""
+        return min(layer.capacity for layer in self.layers if isinstance(layer, LayerCache))
 
     def lengths(self) -> jax.Array:
         """[L, B, K] filled slots of every layer and KV head."""
@@ -53,7 +77,14 @@ class KVCache:
 
     def room(self) -> jax.Array:
         """[B] tokens every layer and KV head of a row can still take."""
-        return jnp.min(jnp.stack([layer.capacity - layer.lengths for layer in self.layers]), axis=(0, 2))
+        return jnp.min(jnp.stack([_room(layer) for layer in self.layers]), axis=(0, 2))
+
+
+def _room(layer) -> jax.Array:
+    """[B, K] free slots of every head."""
+    if isinstance(layer, RaggedLayerCache):
+        return layer.head_capacity() - layer.lengths
+    return layer.capacity - layer.lengths
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> KVCache:
@@ -68,12 +99,14 @@ def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float
                    next_position=jnp.zeros((batch_size,), jnp.int32))
 
 
-def write(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array) -> LayerCache:
+def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
     """Writes the first num_new [B] of k_new, v_new [B, K, T, H] at each head's filled length.
 
     Padding rows (t >= num_new) are dropped, never written, so neither a finished row of a batch nor a cache
     with less spare room than the padded width loses pairs.
     """
+    if isinstance(layer, RaggedLayerCache):
+        return _write_ragged(layer, k_new, v_new, num_new)
     T = k_new.shape[2]
 
     def write_head(cache_kh, new_kh, start, count):  # [C, H], [T, H], [], []
@@ -99,18 +132,26 @@ def write(layer: LayerCache, k_new: jax.Array, v_new: jax.Array, num_new: jax.Ar
     )
 
 
+def _write_ragged(layer: RaggedLayerCache, k_new, v_new, num_new) -> RaggedLayerCache:
+    B, K, T, H = k_new.shape
+    rows = jnp.arange(T, dtype=jnp.int32)
+    slots = layer.offsets[..., None] + layer.lengths[..., None] + rows  # [B, K, T] store slot of each new pair
+    slots = jnp.where(rows < num_new[:, None, None], slots, layer.k.shape[1])  # padding aims past the end: dropped
+    batch = jnp.arange(B)[:, None, None]
+    put = lambda store, new: store.at[batch, slots].set(new.astype(store.dtype), mode="drop")
+    return dataclasses.replace(layer, k=put(layer.k, k_new), v=put(layer.v, v_new),
+                               lengths=layer.lengths + num_new[:, None].astype(jnp.int32))
+
+
 def nbytes(cache: KVCache) -> int:
     """Device bytes held by the cache arrays."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
 
 
 def used_bytes(cache: KVCache) -> int:
-    """Bytes of the K/V pairs actually filled (sum of lengths x head dim x 2 tensors)."""
-    total = 0
-    for layer in cache.layers:
-        per_slot = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
-        total += int(jnp.sum(layer.lengths)) * per_slot
-    return total
+    """Bytes of the K/V pairs held and visible (filled and, in a masked cache, kept): pairs x head dim x 2."""
+    per_slot = [2 * layer.k.shape[-1] * layer.k.dtype.itemsize for layer in cache.layers]
+    return int(sum(int(n) * size for n, size in zip(np.asarray(kept_per_head(cache)).sum(axis=(1, 2)), per_slot)))
 
 
 @jax.tree_util.register_dataclass
@@ -135,15 +176,6 @@ def rewind(cache: KVCache, to: CacheMark) -> KVCache:
     return KVCache(layers=layers, next_position=to.next_position)
 
 
-def grow(cache: KVCache, extra: int) -> KVCache:
-    """The same cache with `extra` more empty slots per KV head (a copy)."""
-    pad = ((0, 0), (0, 0), (0, extra), (0, 0))
-    grow_keep = lambda keep: None if keep is None else jnp.pad(keep, pad[:3], constant_values=True)
-    layers = tuple(dataclasses.replace(layer, k=jnp.pad(layer.k, pad), v=jnp.pad(layer.v, pad),
-                                       keep=grow_keep(layer.keep)) for layer in cache.layers)
-    return dataclasses.replace(cache, layers=layers)
-
-
 def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context_len: jax.Array) -> KVCache:
     """A masked compressed cache: context slots [prefix_len, prefix_len + context_len) follow keep [L, B, K, n]
     (n >= context_len); every other slot (the prefix, anything appended later) stays visible. Nothing is moved;
@@ -159,36 +191,42 @@ def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context
     return dataclasses.replace(cache, layers=tuple(layers))
 
 
-def pack(cache: KVCache, room: int) -> KVCache:
-    """A ragged compressed cache from a masked one: each (layer, KV head) keeps only its visible filled slots,
-    moved to the front in their original order, plus `room` free slots for tokens appended later (question,
-    answer). Keys keep their original RoPE positions; next_position is unchanged. Runs on the host (the kept
-    counts set the shapes)."""
-    capacities = ragged_capacities(cache, room)
+def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
+    """A ragged compressed cache from a masked one: each (layer, KV head) keeps only its visible filled slots, in
+    their original order, in a segment of the layer's flat store with `room` free slots for tokens appended later
+    (question, answer). Keys keep their original RoPE positions; next_position is unchanged.
+
+    Runs on the host: the kept counts set the shapes. Each layer's store is rounded up to `multiple` slots, so
+    the device bytes are about ratio x the filled full cache, plus the room.
+    """
+    if room < 0:
+        raise ValueError(f"room must be >= 0, got {room}")
+    kept = np.asarray(kept_per_head(cache))  # [L, B, K]
     layers = []
-    for layer, capacity in zip(cache.layers, capacities):
-        visible = _visible(layer)  # [B, K, C]
-        k, v = layer.k, layer.v
-        if capacity > layer.capacity:
-            pad = ((0, 0), (0, 0), (0, capacity - layer.capacity), (0, 0))
-            k, v, visible = jnp.pad(k, pad), jnp.pad(v, pad), jnp.pad(visible, pad[:3])
-        order = jnp.argsort(~visible, axis=-1, stable=True)[..., :capacity, None]  # [B, K, capacity, 1]
-        kept = jnp.minimum(visible.sum(-1), capacity).astype(jnp.int32)  # [B, K]
-        in_use = (jnp.arange(capacity) < kept[..., None])[..., None]  # unused slots are zeroed
-        gather = lambda x: jnp.where(in_use, jnp.take_along_axis(x, order, axis=2), 0).astype(x.dtype)
-        layers.append(LayerCache(k=gather(k), v=gather(v), lengths=kept))
+    for layer, kept_l in zip(cache.layers, kept):
+        block = RAGGED_BLOCK
+        segments = -(-(kept_l + room) // block) * block  # [B, K] slots per head, whole blocks
+        offsets = np.cumsum(segments, axis=1) - segments  # [B, K]
+        size = int(-(-int(segments.sum(axis=1).max()) // multiple) * multiple)
+        layers.append(_pack_layer(layer, jnp.asarray(offsets, jnp.int32), size, block))
     return KVCache(layers=tuple(layers), next_position=jnp.array(cache.next_position))  # a copy: donation-safe
 
 
-def ragged_capacities(cache: KVCache, room: int, multiple: int = 16) -> tuple[int, ...]:
-    """Per-layer capacities for pack: the most pairs a head of the layer keeps, plus room, rounded up."""
-    most = np.asarray(kept_per_head(cache)).max(axis=(1, 2))  # [L]
-    return tuple(int(-(-(n + room) // multiple) * multiple) for n in most)
+def _pack_layer(layer, offsets: jax.Array, size: int, block: int) -> RaggedLayerCache:
+    visible = _visible(layer)  # [B, K, C]
+    B = visible.shape[0]
+    rank = jnp.cumsum(visible, axis=-1, dtype=jnp.int32) - 1  # [B, K, C] place of each kept slot in its segment
+    slots = jnp.where(visible, offsets[..., None] + rank, size)  # evicted and empty slots aim past the end
+    batch = jnp.arange(B)[:, None, None]
+    store = lambda x: jnp.zeros((B, size, x.shape[-1]), x.dtype).at[batch, slots].set(x, mode="drop")
+    return RaggedLayerCache(k=store(layer.k), v=store(layer.v), lengths=visible.sum(-1, dtype=jnp.int32),
+                            offsets=offsets, block=block)
 
 
 def kept_per_head(cache: KVCache) -> jax.Array:
     """[L, B, K] visible filled slots of every head (what pack needs room for)."""
-    return jnp.stack([_visible(layer).sum(-1) for layer in cache.layers]).astype(jnp.int32)
+    return jnp.stack([_visible(layer).sum(-1) if isinstance(layer, LayerCache) else layer.lengths
+                      for layer in cache.layers]).astype(jnp.int32)
 
 
 def _visible(layer: LayerCache) -> jax.Array:

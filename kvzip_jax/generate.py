@@ -81,7 +81,7 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
     room = np.asarray(cache.room())  # [B]
     if np.any(lengths > room):
         raise ContextTooLongError(f"{int(lengths.max())} new tokens do not fit the cache: room for "
-                                  f"{int(room.min())} (capacity {cache.capacity})")
+                                  f"{int(room.min())}")
 
     last_logits = None
     for start in range(0, int(lengths.max()), chunk):

@@ -56,19 +56,37 @@ def test_ragged_decoding_equals_masked_decoding(level):
     assert out_m == out_r
 
 
-def test_per_layer_capacities_store_only_what_each_layer_keeps():
+def test_ragged_store_holds_each_heads_kept_pairs_plus_room_in_whole_blocks():
     scores = np.asarray(SCORES).copy()
-    scores[0] += 1.0  # layer 0 wins most of the global budget
+    scores[0, :, 0] += 1.0  # layer 0, head 0 wins most of the global budget: very uneven heads
     masked = _masked(keep_mask(jnp.asarray(scores), jnp.array([CONTEXT]), 0.3, "pair"))
-    capacities = kv.ragged_capacities(masked, room=len(QUESTION))
-    kept = np.asarray(kv.kept_per_head(masked)).max(axis=(1, 2))
-    assert capacities == tuple(int(-(-(n + len(QUESTION)) // 16) * 16) for n in kept)
-    ragged = kv.pack(masked, len(QUESTION))
-    assert [layer.capacity for layer in ragged.layers] == list(capacities)
-    logits_m, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, masked))
+    room = len(QUESTION) + 4  # the question, then four decoded tokens
+    ragged = kv.pack(masked, room, multiple=kv.RAGGED_BLOCK)
+    kept = np.asarray(kv.kept_per_head(masked))  # [L, B, K]
+    block = kv.RAGGED_BLOCK
+    for layer, kept_l in zip(ragged.layers, kept):
+        segments = -(-(kept_l + room) // block) * block  # [B, K]
+        assert layer.k.shape[1] == segments.sum()  # no head is padded to the most-kept head
+        np.testing.assert_array_equal(np.asarray(layer.head_capacity()), segments)
+        np.testing.assert_array_equal(np.asarray(layer.lengths), kept_l)
+    assert kv.used_bytes(ragged) == kv.used_bytes(masked)
+    logits_m, masked = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, masked))
     logits_r, ragged = gen.prefill(PARAMS, CFG, [QUESTION], ragged)
     np.testing.assert_allclose(np.asarray(logits_r), np.asarray(logits_m), atol=1e-4, rtol=0)
     assert int(ragged.room().min()) >= 0
+    out_m, _ = gen.decode(PARAMS, CFG, logits_m, masked, 4)
+    out_r, _ = gen.decode(PARAMS, CFG, logits_r, ragged, 4)
+    assert out_m == out_r
+
+
+def test_ragged_cache_with_no_room_refuses_new_tokens():
+    from kvzip_jax.errors import ContextTooLongError
+
+    ragged = kv.pack(_masked(keep_mask(SCORES, jnp.array([CONTEXT]), 0.3)), 0, multiple=kv.RAGGED_BLOCK)
+    room = int(ragged.room().min())  # only what rounding each head up to whole blocks left over
+    assert 0 <= room < kv.RAGGED_BLOCK
+    with pytest.raises(ContextTooLongError):
+        gen.prefill(PARAMS, CFG, [np.zeros(room + 1, np.int32)], ragged)
 
 
 def test_a_head_that_keeps_nothing_gives_no_nan():

@@ -13,7 +13,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ContextTooLongError, EmptyInputError
-from kvzip_jax.models.layers import AttentionView
+from kvzip_jax.models.attention import AttentionView
 from kvzip_jax.models.transformer import forward
 from kvzip_jax.weights.hf import params_from_hf
 
@@ -173,7 +173,7 @@ def test_observer_sees_the_attention_it_should(tiny):
     logits_plain, cache_plain, _ = _full_forward(params, cfg, tokens, capacity=32)
     logits, cache, aux = _full_forward(params, cfg, tokens, capacity=32, observer=RecordProbs(layer))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_plain), atol=1e-5)  # observing changes nothing
-    probs = np.asarray(aux["observed"][layer])  # [B, K, G, T, S]
+    probs = np.asarray(aux["observed"][layer])  # [B, K, G, T, C + T]: the 32 cache slots (empty), then new keys
     assert aux["observed"][0] is None
 
     # Direct computation from the cached keys and the layer's own queries (recorded by a second observer).
@@ -193,8 +193,8 @@ def test_observer_sees_the_attention_it_should(tiny):
     scores = np.where(visible, scores, -np.inf)
     expected = np.exp(scores - scores.max(-1, keepdims=True))
     expected /= expected.sum(-1, keepdims=True)
-    np.testing.assert_allclose(probs[0, :, :, :, :24], expected, atol=1e-5)
-    assert np.all(probs[..., 24:] == 0)
+    np.testing.assert_allclose(probs[0, :, :, :, 32:], expected, atol=1e-5)
+    assert np.all(probs[..., :32] == 0)
 
 
 def test_new_length_in_same_bucket_does_not_recompile(tiny):

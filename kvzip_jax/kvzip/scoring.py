@@ -14,6 +14,7 @@ D model width, L layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
-from kvzip_jax.models.layers import MASK_VALUE, AttentionView
+from kvzip_jax.models.attention import MASK_VALUE, AttentionView
 from kvzip_jax.models.transformer import forward
 
 DEFAULT_CHUNK = 2048
@@ -40,39 +41,46 @@ class RereadObserver:
 
     Arrays are per batch row [B] and count cache slots. Returns per layer [B, K, width] scores of the slots
     [chunk_start, chunk_start + width); columns past chunk_len are meaningless.
+
+    When the cache holds nothing but [prefix | this chunk] (one chunk), the scoring key set is everything the
+    reread attends to: `dense_keys` then asks the forward for dense attention over the first prefix_cap + width
+    cache slots, whose weights serve both the forward's output and the score (computed once). Otherwise the
+    forward runs its blocked attention and the score is computed here over the key subset.
     """
 
     prefix_len: jax.Array  # slots [0, prefix_len) hold the never-evicted prefix
     chunk_start: jax.Array
     chunk_len: jax.Array
-    reread_start: jax.Array  # slot of the first reread token
     num_valid: jax.Array  # real reread tokens; the rest is padding, excluded from the max
     width: int = _static(DEFAULT_CHUNK)
     variant: str = _static("softmax")
     kvzip_plus: bool = _static(False)
     scored_layers: tuple[int, ...] | None = _static(None)  # None: all; others get zeros (never evicted)
     prefix_cap: int = _static(64)  # static slots read for the prefix (>= every row's prefix_len)
+    dense_keys: int | None = _static(None)  # set for a single chunk: prefix_cap + width
 
     def __call__(self, view: AttentionView) -> jax.Array:
         B, T, K, G, H = view.q.shape
         P, m = self.prefix_cap, self.width
         if self.scored_layers is not None and view.layer not in self.scored_layers:
             return jnp.zeros((B, K, m), jnp.float32)
-        # Only the scoring key set is gathered: [prefix (P slots) | this chunk (m) | the reread itself (T)].
-        take = lambda x, start, size: jax.vmap(lambda row, s: jax.lax.dynamic_slice_in_dim(row, s, size, 1))(
-            x, start)  # [B, K, S, H] -> [B, K, size, H]
-        chunk_v = take(view.v, self.chunk_start, m)
-        keys = jnp.concatenate([view.k[:, :, :P], take(view.k, self.chunk_start, m),
-                                take(view.k, self.reread_start, T)], axis=2)  # [B, K, P + m + T, H]
-        prefix_visible = jnp.arange(P) < self.prefix_len[:, None]  # [B, P]
-        chunk_visible = jnp.arange(m) < self.chunk_len[:, None]  # [B, m]
-        cached = jnp.concatenate([prefix_visible, chunk_visible], axis=1)[:, None, :]  # [B, 1, P + m]
-        causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))  # [B, T, T]
-        visible = jnp.concatenate([jnp.broadcast_to(cached, (B, T, P + m)), causal], axis=2)  # [B, T, P + m + T]
-        logits = jnp.einsum("BTKGH,BKSH->BKGTS", view.q, keys, preferred_element_type=jnp.float32) * view.scale
-        logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
-        stat = jax.nn.softmax(logits, axis=-1) if self.variant == "softmax" else logits  # [B, K, G, T, P + m + T]
-        stat = stat[..., P:P + m]  # the chunk's columns
+        take = functools.partial(_columns, start=self.chunk_start, size=m)
+        chunk_v = take(view.v, axis=2)  # [B, K, m, H]
+        if self.dense_keys is not None:  # the forward's own attention weights; the chunk's columns
+            stat = view.probs if self.variant == "softmax" else view.logits  # [B, K, G, T, S + T]
+            stat = take(stat, axis=4)  # [B, K, G, T, m]
+        else:  # only the scoring key set: [prefix (P slots) | this chunk (m) | the reread itself (T)]
+            keys = jnp.concatenate([view.k[:, :, :P], take(view.k, axis=2), view.k_new],
+                                   axis=2)  # [B, K, P + m + T, H]
+            prefix_visible = jnp.arange(P) < self.prefix_len[:, None]  # [B, P]
+            chunk_visible = jnp.arange(m) < self.chunk_len[:, None]  # [B, m]
+            cached = jnp.concatenate([prefix_visible, chunk_visible], axis=1)[:, None, :]  # [B, 1, P + m]
+            causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))  # [B, T, T]
+            visible = jnp.concatenate([jnp.broadcast_to(cached, (B, T, P + m)), causal], axis=2)  # [B, T, P+m+T]
+            logits = jnp.einsum("BTKGH,BKSH->BKGTS", view.q, keys, preferred_element_type=jnp.float32) * view.scale
+            logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
+            stat = jax.nn.softmax(logits, axis=-1) if self.variant == "softmax" else logits
+            stat = stat[..., P:P + m]  # the chunk's columns [B, K, G, T, m]
         if self.kvzip_plus:
             query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)  # [B, T]
             o_proj = view.o_proj.reshape(K, G, H, -1)  # [K, G, H, D]
@@ -81,6 +89,13 @@ class RereadObserver:
         real_row = jnp.arange(T) < self.num_valid[:, None]  # [B, T]
         stat = jnp.where(real_row[:, None, None, :, None], stat, -jnp.inf)
         return stat.max(axis=(2, 3))  # [B, K, m]
+
+
+def _columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
+    """x [B, ...] restricted along `axis` to [start, start + size) per row (start [B]); indices past the end are
+    clipped (those columns lie past the chunk and are never used)."""
+    index = jnp.clip(start[:, None] + jnp.arange(size), 0, x.shape[axis] - 1)  # [B, size]
+    return jax.vmap(lambda row, i: jnp.take(row, i, axis=axis - 1))(x, index)
 
 
 @jax.tree_util.register_dataclass
@@ -109,6 +124,8 @@ def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAU
 
     rows = [np.asarray(c, np.int32) for c in context_tokens]
     num_chunks = max(-(-len(r) // chunk_size) for r in rows)
+    if num_chunks == 1:  # one chunk: as wide as the longest context, bucketed
+        chunk_size = min(chunk_size, -(-max(len(r) for r in rows) // 64) * 64)
     inputs = [[None] * len(rows) for _ in range(num_chunks)]
     for b, row in enumerate(rows):
         for t in range(num_chunks):
@@ -149,20 +166,20 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
     """KVzip scores [L, B, K, C m] of the context pairs (context offset i is cache slot prefix_len + i).
     Layers outside evictable_layers(cfg) are not scored (zeros).
 
-    The cache must hold exactly [prefix | context] per row; it is not modified (the reread runs on a copy with
-    room for one reread input). Columns past a row's context length are -inf.
+    The cache must hold exactly [prefix | context] per row. It is neither modified nor copied: the reread
+    attends to it and to its own keys, and its writes are dropped. Columns past a row's context length are -inf.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     num_chunks, B, W = reread.tokens.shape
     reread_start = cache.next_position  # [B]; the cache holds [prefix | context] only
-    cache = kv.grow(cache, W)
+    dense_keys = reread.prefix_cap + reread.chunk_size if num_chunks == 1 else None
     per_chunk = []
     for t in range(num_chunks):
         observer = RereadObserver(
             prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
-            reread_start=reread_start, num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant,
-            kvzip_plus=kvzip_plus, scored_layers=evictable_layers(cfg), prefix_cap=reread.prefix_cap)
+            num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
+            scored_layers=evictable_layers(cfg), prefix_cap=reread.prefix_cap, dense_keys=dense_keys)
         positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
         _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models import layers
+from kvzip_jax.models import attention, layers
 from kvzip_jax.models.params import layer_name, param_shapes
 
 LOGITS_CHOICES = ("last", "all", None)
@@ -31,7 +31,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     index: int
-    observer: layers.Observer | None = None
+    observer: attention.Observer | None = None
 
     @nn.compact
     def __call__(self, x, positions, layer_cache: kv.LayerCache, num_new):
@@ -55,21 +55,14 @@ class Block(nn.Module):
         q = layers.apply_rope(q, positions, inv_freq)
         k = layers.apply_rope(k, positions, inv_freq)
 
-        start = layer_cache.lengths  # [B, K] slot of the first new token
-        layer_cache = kv.write(layer_cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), num_new)
-        query_slots = start[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, K, T]
+        filled = layer_cache.lengths  # [B, K] slots in use before this step
+        k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+        query_slots = filled[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, K, T]
         q = q.reshape(B, T, K, G, H)
         o_proj = p("o")  # [N H, D]
-        out = layers.blocked_attention(q, layer_cache.k, layer_cache.v, query_slots, cfg.window_for(i),
-                                       cfg.query_scale, layer_cache.keep)
-        observed = None
-        if self.observer is not None:  # dense weights for the observer only; XLA drops them if it never reads them
-            mask = layers.attention_mask(query_slots, layer_cache.capacity, cfg.window_for(i),
-                                         layer_cache.keep)  # [B, K, T, S]
-            _, probs = layers.grouped_attention(q, layer_cache.k, layer_cache.v, mask, cfg.query_scale)
-            observed = self.observer(layers.AttentionView(
-                layer=i, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, mask=mask, probs=probs,
-                query_slots=query_slots, o_proj=o_proj, scale=cfg.query_scale))
+        window = cfg.window_for(i)
+        out, observed = self._attend(q, h, layer_cache, k_new, v_new, query_slots, window, o_proj)
+        layer_cache = kv.write(layer_cache, k_new, v_new, num_new)
         attn = out.reshape(B, T, N * H) @ o_proj  # [B, T, D]
 
         if cfg.sandwich_norms:
@@ -81,12 +74,38 @@ class Block(nn.Module):
             ffn = layers.rms_norm(ffn, p("post_mlp_norm"), cfg.rms_norm_eps)
         return x + ffn, layer_cache, observed
 
+    def _attend(self, q, h, layer_cache, k_new, v_new, query_slots, window, o_proj):
+        """Attention over [cache before this step | new tokens]; -> (out [B, T, K, G, H], observer output)."""
+        cfg = self.cfg
+        filled = layer_cache.lengths
+        if isinstance(layer_cache, kv.RaggedLayerCache):
+            if self.observer is not None:
+                raise ValueError("observers read dense caches; a ragged cache cannot be observed")
+            return attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, k_new,
+                                              v_new, query_slots, window, cfg.query_scale, layer_cache.block), None
+        blocked = lambda: attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
+                                                      query_slots, window, cfg.query_scale, layer_cache.keep)
+        if self.observer is None:
+            return blocked(), None
+        # Dense weights for the observer; XLA drops them if it never reads them. An observer that sets
+        # `dense_keys` gets dense attention over fewer cache slots, and the forward reuses it as its output.
+        num_slots = getattr(self.observer, "dense_keys", None)
+        keys, values, key_slots, mask = attention.dense_keys(layer_cache.k, layer_cache.v, k_new, v_new, filled,
+                                                             query_slots, window, layer_cache.keep, num_slots)
+        dense_out, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale)
+        S = keys.shape[2] - k_new.shape[2]
+        observed = self.observer(attention.AttentionView(
+            layer=self.index, hidden=h, q=q, k=layer_cache.k[:, :, :S], v=layer_cache.v[:, :, :S], k_new=k_new,
+            v_new=v_new, key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
+            o_proj=o_proj, scale=cfg.query_scale))
+        return (blocked() if num_slots is None else dense_out), observed
+
 
 class Transformer(nn.Module):
     """Embedding, the layer stack and the (optionally tied) LM head."""
 
     cfg: ModelConfig
-    observer: layers.Observer | None = None
+    observer: attention.Observer | None = None
     logits: str | None = "last"
 
     @nn.compact

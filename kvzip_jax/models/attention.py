@@ -1,0 +1,224 @@
+"""Grouped-query attention of new tokens over [the cache as it was | the new tokens themselves].
+
+The cache part is read from the cache before this step's write, so a caller that drops the returned cache (the
+KVzip reread) never pays for the write. Three forms give the same result:
+  dense_attention    materialises scores over all keys; for observers and the single-chunk KVzip reread
+  blocked_attention  online softmax over key blocks of a dense cache [B, K, C, H]
+  ragged_attention   online softmax over a flat per-layer store [B, S, H] of per-head segments (ragged caches)
+
+Einsum legend: B batch, T query positions, S key slots, K KV heads, G query heads per KV head, M = G T query rows
+per KV head, H head dim, D model width, N blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so an all-masked row never gives inf - inf
+
+
+def attention_mask(query_slots: jax.Array, key_slots: jax.Array, key_visible: jax.Array,
+                   window: int | None) -> jax.Array:
+    """[B, K, T, S] bool: a key is visible to a query iff key_visible [B, K, S], its slot <= the query's slot,
+    and (with a window) the query's slot - its slot < window. query_slots [B, K, T], key_slots [B, K, S]."""
+    q = query_slots[..., None]  # [B, K, T, 1]
+    k = key_slots[:, :, None, :]  # [B, K, 1, S]
+    visible = (k <= q) & key_visible[:, :, None, :]
+    if window is not None:
+        visible &= (q - k) < window
+    return visible
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionView:
+    """What one attention layer saw, handed to an observer. Arrays are float32 unless noted.
+
+    Keys are [the first S cache slots as they were before this step | the T new tokens]: S is the cache capacity,
+    or the observer's `dense_keys` when it asks for dense attention over fewer slots.
+    layer: layer index. hidden: the normed attention input [B, T, D]. q: post-norm, post-RoPE queries
+    [B, T, K, G, H]. k, v: the cache before this step's write [B, K, S, H]. k_new, v_new: [B, K, T, H].
+    key_slots: [B, K, S + T] int32 cache slot of each key (new token t goes to slot length + t).
+    query_slots: [B, K, T] int32. mask: [B, K, T, S + T] bool. logits: masked scaled scores and probs: softmax
+    weights, both [B, K, G, T, S + T]. o_proj: the output projection [N H, D]. scale: the attention scale on q.k.
+    """
+
+    layer: int
+    hidden: jax.Array
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    k_new: jax.Array
+    v_new: jax.Array
+    key_slots: jax.Array
+    query_slots: jax.Array
+    mask: jax.Array
+    logits: jax.Array
+    probs: jax.Array
+    o_proj: jax.Array
+    scale: float
+
+
+Observer = Callable[[AttentionView], Any]
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float):
+    """Softmax attention of q [B, T, K, G, H] over k, v [B, K, S, H] with mask [B, K, T, S].
+
+    Returns (out [B, T, K, G, H], logits, probs [B, K, G, T, S] float32); masked logits are MASK_VALUE.
+    """
+    logits = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S]
+    out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(v.dtype), v)
+    return out, logits, probs
+
+
+def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None, num_slots: int | None = None):
+    """The key set [cache slots [0, S) | new tokens] as (k, v [B, K, S + T, H], key_slots, mask) for
+    dense_attention. filled [B, K]: cache slots in use before this step; num_slots: S (default: all C)."""
+    S = k.shape[2] if num_slots is None else min(num_slots, k.shape[2])
+    T = k_new.shape[2]
+    cache_slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), filled.shape + (S,))  # [B, K, S]
+    cache_visible = cache_slots < filled[..., None]
+    if key_keep is not None:
+        cache_visible &= key_keep[:, :, :S]
+    key_slots = jnp.concatenate([cache_slots, filled[..., None] + jnp.arange(T, dtype=jnp.int32)], axis=2)
+    key_visible = jnp.concatenate([cache_visible, jnp.ones(filled.shape + (T,), bool)], axis=2)  # [B, K, S + T]
+    mask = attention_mask(query_slots, key_slots, key_visible, window)
+    keys = jnp.concatenate([k[:, :, :S], k_new.astype(k.dtype)], axis=2)
+    values = jnp.concatenate([v[:, :, :S], v_new.astype(v.dtype)], axis=2)
+    return keys, values, key_slots, mask
+
+
+def _rows(q: jax.Array, scale: float) -> jax.Array:
+    """q [B, T, K, G, H] -> scaled float32 query rows [B, K, M = G T, H]."""
+    B, T, K, G, H = q.shape
+    return (q.astype(jnp.float32) * scale).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+
+
+def _unrows(out: jax.Array, q: jax.Array) -> jax.Array:
+    """[B, K, M, H] -> [B, T, K, G, H] in q's dtype."""
+    B, T, K, G, H = q.shape
+    return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).astype(q.dtype)
+
+
+def _empty_state(B: int, K: int, M: int, H: int):
+    """Online-softmax state: running max [B, K, M], normaliser [B, K, M], weighted values [B, K, M, H]."""
+    return (jnp.full((B, K, M), MASK_VALUE, jnp.float32), jnp.zeros((B, K, M), jnp.float32),
+            jnp.zeros((B, K, M, H), jnp.float32))
+
+
+def _visit(state, qm, kb, vb, visible):
+    """One online-softmax step over key block kb, vb [B, K, S, H] with visible [B, K, T, S]."""
+    m, l, acc = state
+    B, K, M, _ = qm.shape
+    T, S = visible.shape[2], kb.shape[2]
+    s = jnp.einsum("BKMH,BKSH->BKMS", qm, kb, preferred_element_type=jnp.float32)
+    s = jnp.where(visible[:, :, None], s.reshape(B, K, M // T, T, S), MASK_VALUE).reshape(B, K, M, S)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.exp(s - m_new[..., None])  # [B, K, M, S]
+    correction = jnp.exp(m - m_new)
+    l = l * correction + p.sum(axis=-1)
+    acc = acc * correction[..., None] + jnp.einsum("BKMS,BKSH->BKMH", p, vb.astype(jnp.float32))
+    return m_new, l, acc
+
+
+def _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, block: int):
+    """Online-softmax steps over the T new keys (causal among themselves), in blocks of at most `block`."""
+    T = k_new.shape[2]
+    width = min(T, block)
+    num_blocks = -(-T // width)
+    pad = ((0, 0), (0, 0), (0, num_blocks * width - T), (0, 0))  # padding keys sit after every real query
+    k_new, v_new = jnp.pad(k_new, pad), jnp.pad(v_new, pad)
+    everything = jnp.ones(filled.shape + (width,), bool)
+
+    def visit(j, state):
+        kb = jax.lax.dynamic_slice_in_dim(k_new, j * width, width, axis=2)  # [B, K, width, H]
+        vb = jax.lax.dynamic_slice_in_dim(v_new, j * width, width, axis=2)
+        key_slots = filled[..., None] + j * width + jnp.arange(width, dtype=jnp.int32)  # [B, K, width]
+        return _visit(state, qm, kb, vb, attention_mask(query_slots, key_slots, everything, window))
+
+    return visit(0, state) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, visit, state)
+
+
+def _finish(state, q):
+    _, l, acc = state
+    return _unrows(acc / jnp.where(l == 0, 1.0, l)[..., None], q)  # a row that saw nothing stays zero
+
+
+def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | None, scale: float,
+                      key_keep=None, block: int = 256) -> jax.Array:
+    """dense_attention's output without materialising scores over the cache.
+
+    q [B, T, K, G, H]; k, v [B, K, C, H] the cache before this step; filled [B, K] its slots in use; k_new, v_new
+    [B, K, T, H]; query_slots [B, K, T]; key_keep [B, K, C] (masked caches) or None. Loops over cache blocks of
+    `block` slots up to the most filled head only (a dynamic trip count: a short context in a large cache costs
+    what its length costs), then over the new keys. Returns [B, T, K, G, H].
+    """
+    B, T, K, G, H = q.shape
+    C = k.shape[2]
+    block_c = math.gcd(C, block)
+    qm = _rows(q, scale)
+    first = 0
+    if window is not None:
+        first = jnp.maximum(jnp.min(query_slots) - window + 1, 0) // block_c
+
+    def visit_cache(j, state):
+        kb = jax.lax.dynamic_slice_in_dim(k, j * block_c, block_c, axis=2)  # [B, K, S, H]
+        vb = jax.lax.dynamic_slice_in_dim(v, j * block_c, block_c, axis=2)
+        slots = jnp.broadcast_to(j * block_c + jnp.arange(block_c, dtype=jnp.int32), (B, K, block_c))
+        visible = slots < filled[..., None]
+        if key_keep is not None:
+            visible &= jax.lax.dynamic_slice_in_dim(key_keep, j * block_c, block_c, axis=2)
+        return _visit(state, qm, kb, vb, attention_mask(query_slots, slots, visible, window))
+
+    last = -(-jnp.max(filled) // block_c)
+    state = jax.lax.fori_loop(first, last, visit_cache, _empty_state(B, K, G * T, H))
+    state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, block)
+    return _finish(state, q)
+
+
+def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window: int | None, scale: float,
+                     block: int) -> jax.Array:
+    """blocked_attention's result over a ragged layer: k, v [B, S, H] hold per-head segments that start at
+    offsets [B, K] (multiples of `block`); head k's slot i lives at offsets[:, k] + i; filled [B, K].
+
+    Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
+    most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
+    online-softmax states, then the new keys are visited. Returns [B, T, K, G, H].
+    """
+    B, T, K, G, H = q.shape
+    S = k.shape[1]
+    M = G * T
+    num_blocks = S // block
+    qm = _rows(q, scale)  # [B, K, M, H]
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block  # [N]
+    owner = jnp.clip(jax.vmap(lambda o: jnp.searchsorted(o, starts, side="right"))(offsets) - 1, 0, K - 1)  # [B, N]
+    one_hot = jax.nn.one_hot(owner, K, dtype=jnp.float32)  # [B, N, K]
+    q_of_block = jnp.take_along_axis(qm, owner[:, :, None, None], axis=1)  # [B, N, M, H]
+    qs_of_block = jnp.take_along_axis(query_slots, owner[:, :, None], axis=1)  # [B, N, T]
+    local = starts[None, :, None] + jnp.arange(block) - jnp.take_along_axis(offsets, owner, 1)[..., None]  # [B,N,b]
+    visible = local < jnp.take_along_axis(filled, owner, 1)[..., None]  # [B, N, block]
+    visible = attention_mask(qs_of_block, local, visible, window)  # [B, N, T, block]
+    kb = k.reshape(B, num_blocks, block, H)
+    vb = v.reshape(B, num_blocks, block, H)
+    s = jnp.einsum("BNMH,BNSH->BNMS", q_of_block, kb, preferred_element_type=jnp.float32)
+    s = jnp.where(visible[:, :, None], s.reshape(B, num_blocks, G, T, block), MASK_VALUE).reshape(B, num_blocks, M,
+                                                                                                   block)
+    m_block = s.max(axis=-1)  # [B, N, M]
+    p = jnp.exp(s - m_block[..., None])
+    l_block = p.sum(axis=-1)  # [B, N, M]
+    acc_block = jnp.einsum("BNMS,BNSH->BNMH", p, vb.astype(jnp.float32))
+    m_head = jnp.where(one_hot[..., None] > 0, m_block[:, :, None, :], MASK_VALUE).max(axis=1)  # [B, K, M]
+    weight = jnp.exp(m_block - jnp.take_along_axis(m_head, owner[:, :, None], axis=1))  # [B, N, M]
+    l_head = jnp.einsum("BNK,BNM->BKM", one_hot, l_block * weight)
+    acc_head = jnp.einsum("BNK,BNMH->BKMH", one_hot, acc_block * weight[..., None])
+    state = _visit_new_keys((m_head, l_head, acc_head), qm, k_new, v_new, filled, query_slots, window, 256)
+    return _finish(state, q)
