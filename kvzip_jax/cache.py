@@ -172,8 +172,9 @@ def rewind(cache: KVCache, to: CacheMark) -> KVCache:
 
     Valid while the cache has only grown since the mark (left-aligned slots before it are untouched).
     """
-    layers = tuple(dataclasses.replace(layer, lengths=lengths) for layer, lengths in zip(cache.layers, to.lengths))
-    return KVCache(layers=layers, next_position=to.next_position)
+    layers = tuple(dataclasses.replace(layer, lengths=jnp.array(lengths))  # copies: the mark outlives donation
+                   for layer, lengths in zip(cache.layers, to.lengths))
+    return KVCache(layers=layers, next_position=jnp.array(to.next_position))
 
 
 def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context_len: jax.Array) -> KVCache:
@@ -208,7 +209,8 @@ def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
         segments = -(-(kept_l + room) // block) * block  # [B, K] slots per head, whole blocks
         offsets = np.cumsum(segments, axis=1) - segments  # [B, K]
         size = int(-(-int(segments.sum(axis=1).max()) // multiple) * multiple)
-        layers.append(_pack_layer(layer, jnp.asarray(offsets, jnp.int32), size, block))
+        offsets = jax.device_put(offsets.astype(np.int32), layer.k.sharding)  # committed like the rest: one compile
+        layers.append(_pack_layer(layer, offsets, size, block))
     return KVCache(layers=tuple(layers), next_position=jnp.array(cache.next_position))  # a copy: donation-safe
 
 

@@ -136,3 +136,24 @@ def test_gemma_sliding_layers_keep_their_context_and_global_layers_are_evicted()
     logits_m, _ = gen.prefill(params, cfg, [QUESTION], jax.tree.map(jnp.array, masked))
     logits_r, _ = gen.prefill(params, cfg, [QUESTION], kv.pack(masked, 64))
     np.testing.assert_allclose(np.asarray(logits_r), np.asarray(logits_m), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["masked", "ragged"])
+def test_compressed_cache_serves_questions_independently_without_recompiling(form):
+    """Question 2's answer is the same whether or not question 1 was asked first; a second question of the same
+    shape compiles nothing new; a mark can be rewound to more than once."""
+    masked = _masked(keep_mask(SCORES, jnp.array([CONTEXT]), 0.3))
+    fresh = lambda: jax.tree.map(jnp.array, kv.pack(masked, 16) if form == "ragged" else masked)
+    q1, q2 = QUESTION, QUESTION[::-1].copy()
+    alone, _ = gen.ask(PARAMS, CFG, fresh(), q2, 6)
+    cache = fresh()
+    first, cache = gen.ask(PARAMS, CFG, cache, q1, 6)
+    compiled = (gen.forward_step._cache_size(), gen._decode_loop._cache_size())
+    second, cache = gen.ask(PARAMS, CFG, cache, q2, 6)
+    assert second == alone
+    assert (gen.forward_step._cache_size(), gen._decode_loop._cache_size()) == compiled
+
+    before = kv.mark(cache)
+    for _ in range(2):
+        again, cache = gen.ask(PARAMS, CFG, kv.rewind(cache, before), q2, 6)
+        assert again == alone
