@@ -2,6 +2,12 @@
 
   kvzip-jax convert --hf DIR | --gguf FILE --out checkpoints/NAME [--overwrite]
   kvzip-jax convert --bundled NAME [--out DIR]      (default out: $KVZIP_CHECKPOINTS or ./checkpoints, /NAME)
+  kvzip-jax head-scores --model NAME_OR_PATH [--tokens N] [--text FILE] [--overwrite]
+      once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
+  kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--level pair|pair-uniform|layer|head]
+                     [--question Q ...] [--questions FILE] [--max-new-tokens N] [--chunk-size M]
+      prefill the context once, compress its cache with KVzip (ratio = fraction of context pairs kept), then answer
+      each question from the compressed cache; with no questions given, reads them from stdin, one per line
 
 Errors kvzip-jax raises on purpose (kvzip_jax.errors) print as one line and exit with code 2.
 """
@@ -9,18 +15,46 @@ Errors kvzip-jax raises on purpose (kvzip_jax.errors) print as one line and exit
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
+import time
+from pathlib import Path
 
-from kvzip_jax.errors import KvzipError
+from kvzip_jax.errors import EmptyInputError, KvzipError
 
 EXIT_USER_ERROR = 2
+INTERACTIVE_QUESTION_ROOM = 256  # tokens reserved for a question read from stdin
+
+
+class InputFileError(KvzipError):
+    """A context or questions file is missing, unreadable or malformed."""
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputFileError(f"cannot read the {what} file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputFileError(f"the {what} file {path} is not UTF-8 text") from None
+
+
+def _bytes(cache) -> str:
+    from kvzip_jax import cache as kv
+
+    used, allocated = kv.used_bytes(cache), kv.nbytes(cache)
+    return f"{used:,} filled / {allocated:,} allocated ({used / 2**20:.1f} / {allocated / 2**20:.1f} MiB)"
 
 
 def _convert(args: argparse.Namespace) -> int:
     from kvzip_jax.weights.assemble import flat_param_shapes
     from kvzip_jax.weights.checkpoint import load_config
-    from kvzip_jax.weights.registry import bundled_gguf, convert, default_checkpoints_dir
+    from kvzip_jax.weights.registry import (
+        bundled_gguf,
+        convert,
+        default_checkpoints_dir,
+    )
 
     if args.out is None and not args.bundled:
         args.subparser.error("--out is required with --hf and --gguf")
@@ -49,10 +83,213 @@ def _add_convert(subparsers) -> None:
     parser.set_defaults(handler=_convert, subparser=parser)
 
 
+def head_scores_path(model: str) -> Path:
+    """Where a model's head scores live: <checkpoints>/<name>/head_scores.json for a bundled model, inside a
+    checkpoint or HF folder, and <stem>.head_scores.json beside a GGUF file."""
+    from kvzip_jax.kvzip.head_level import FILENAME
+    from kvzip_jax.weights.registry import BUNDLED, default_checkpoints_dir
+
+    if model in BUNDLED:
+        return default_checkpoints_dir() / model / FILENAME
+    path = Path(model)
+    return path / FILENAME if path.is_dir() else path.with_name(f"{path.stem}.{FILENAME}")
+
+
+def _head_scores(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from kvzip_jax.kvzip import head_level
+    from kvzip_jax.weights import registry
+
+    if args.tokens < 1 or args.chunk_size < 1:
+        args.subparser.error("--tokens and --chunk-size must be >= 1")
+    target = head_scores_path(args.model)
+    if target.exists() and not args.overwrite:
+        raise InputFileError(f"{target} already exists; pass --overwrite to recompute it")
+    text = _read_text(args.text, "sample text") if args.text else head_level.sample_text()
+    model = registry.load(args.model)
+    tokens, prefix_len = head_level.sample_tokens(model.tokenizer, text, args.tokens)
+    start = time.perf_counter()
+    scores = head_level.head_scores(model.params, model.cfg, model.tokenizer, text, args.tokens, args.chunk_size)
+    seconds = time.perf_counter() - start
+    used = len(tokens) - prefix_len
+    meta = {"model": model.name, "sample": args.text or head_level.SAMPLE_DESCRIPTION, "tokens": used,
+            "chunk_size": args.chunk_size}
+    path = head_level.save_head_scores(target, scores, meta)
+    finite = scores[np.isfinite(scores)]
+    fixed = int(np.isinf(scores).any(axis=1).sum())
+    print(f"head scores {list(scores.shape)} (layers x KV heads) of {model.name} from {used} sample tokens in "
+          f"{seconds:.1f} s (including compilation): min {finite.min():.3f}, median {np.median(finite):.3f}, "
+          f"max {finite.max():.3f}" + (f"; {fixed} non-evicted layers stored as null" if fixed else ""))
+    print(f"wrote {path}")
+    return 0
+
+
+def _add_head_scores(subparsers) -> None:
+    from kvzip_jax.kvzip.head_level import DEFAULT_TOKENS
+    from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
+
+    parser = subparsers.add_parser("head-scores", help="compute a model's per-(layer, KV head) scores once, for "
+                                   "--level head (saved beside the checkpoint)")
+    parser.add_argument("--model", required=True, help="bundled model name or a model path")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="sample tokens to score")
+    parser.add_argument("--text", metavar="FILE", help="sample text (default: standard-library module docstrings)")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing head scores")
+    parser.set_defaults(handler=_head_scores, subparser=parser)
+
+
+def _questions(args: argparse.Namespace) -> list[str] | None:
+    """The questions given by flag or file (None: read them from stdin)."""
+    questions = list(args.question or [])
+    if args.questions:
+        try:
+            items = json.loads(_read_text(args.questions, "questions"))
+            questions += [item if isinstance(item, str) else item["question"] for item in items]
+        except (ValueError, TypeError, KeyError):
+            raise InputFileError(f"{args.questions} is not a JSON list of strings or of "
+                                 '{"question", "answer"} objects') from None
+    return questions or None
+
+
+def _compress(args: argparse.Namespace) -> int:
+    import jax
+
+    from kvzip_jax import cache as kv
+    from kvzip_jax import generate as gen
+    from kvzip_jax import prompts
+    from kvzip_jax.kvzip.eviction import check_ratio
+    from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
+    from kvzip_jax.weights import registry
+
+    if args.max_new_tokens < 1 or args.chunk_size < 1:
+        args.subparser.error("--max-new-tokens and --chunk-size must be >= 1")
+    if (args.sink or args.recent) and args.level != "head":
+        args.subparser.error("--sink and --recent apply to --level head only")
+    check_ratio(args.ratio)
+    document = _read_text(args.context, "context")
+    if not document.strip():
+        raise EmptyInputError(f"the context file {args.context} is empty")
+    questions = _questions(args)
+    if args.level == "head" and not head_scores_path(args.model).is_file():
+        raise HeadScoresError(f"--level head needs the model's head scores, none at {head_scores_path(args.model)}; "
+                              f"compute them once with: kvzip-jax head-scores --model {args.model}")
+
+    start = time.perf_counter()
+    model = registry.load(args.model)
+    print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
+    head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
+    context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [])
+
+    start = time.perf_counter()
+    logits, cache = gen.prefill(model.params, model.cfg, [context.ids()])
+    jax.block_until_ready(logits)
+    print(f"prefill: {len(context)} tokens ({context.context_start} prefix + {len(context) - context.context_start} "
+          f"context) in {time.perf_counter() - start:.1f} s (including compilation)")
+
+    start = time.perf_counter()
+    masked, how = _evict(args, model, cache, context, head_scores)
+    room = (max(map(len, suffixes)) if suffixes else INTERACTIVE_QUESTION_ROOM) + args.max_new_tokens
+    compressed = kv.pack(masked, room)
+    jax.block_until_ready(compressed)
+    print(f"KVzip {args.level} level at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s "
+          "(including compilation)")
+    _report_kept(model.cfg, masked, context)
+    print(f"KV cache bytes: full {_bytes(cache)}")
+    print(f"KV cache bytes: compressed {_bytes(compressed)} (ragged, room for {room} more tokens)")
+    del cache, masked
+
+    if questions is None:
+        print("questions from stdin, one per line (end with EOF):", flush=True)
+        pending = ((q, None) for q in map(str.strip, sys.stdin) if q)
+    else:
+        pending = zip(questions, suffixes)
+    for question, suffix in pending:
+        try:
+            compressed = _answer(model, compressed, question, suffix, args.max_new_tokens)
+        except KvzipError as e:  # a question too long for the room left: report it, take the next one
+            if questions is not None:
+                raise
+            print(f"kvzip-jax compress: error: {e}", file=sys.stderr)
+    return 0
+
+
+def _evict(args: argparse.Namespace, model, cache, context, head_scores):
+    """(masked cache, how it was made): KVzip scoring, or the saved head scores for --level head."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvzip_jax import cache as kv
+    from kvzip_jax import kvzip
+    from kvzip_jax.kvzip.scoring import evictable_layers
+
+    prefix_len, context_len = context.context_start, len(context) - context.context_start
+    if args.level == "head":
+        keep = kvzip.head_keep(head_scores, [context_len], context_len, args.ratio, args.sink, args.recent,
+                               evictable_layers(model.cfg))  # [L, 1, K, n]
+        masked = kv.mask_context(cache, keep, jnp.array([prefix_len]), jnp.array([context_len]))
+        return masked, "from saved head scores, no scoring pass"
+    reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [context.ids()[context.context_slice]],
+                                 args.chunk_size)
+    compress = jax.jit(kvzip.score_and_evict)
+    masked, _ = compress(model.params, model.cfg, cache, reread, args.ratio, kvzip.KVzipConfig(level=args.level))
+    return masked, "scored and evicted"
+
+
+def _report_kept(cfg, masked, context) -> None:
+    from kvzip_jax import cache as kv
+
+    prefix_len, context_len = context.context_start, len(context) - context.context_start
+    units = cfg.num_layers * cfg.num_kv_heads
+    kept = int(kv.kept_per_head(masked).sum()) - units * prefix_len
+    print(f"tokens kept: {kept} of {units * context_len} context pairs ({kept / (units * context_len):.3f}; "
+          f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {context_len} tokens); the {prefix_len} prefix "
+          "tokens and everything after the context are always kept")
+
+
+def _answer(model, cache, question: str, suffix, max_new_tokens: int):
+    """Answers one question from the cache (appended, answered, dropped again); prints it. Returns the cache."""
+    from kvzip_jax import generate as gen
+    from kvzip_jax import prompts
+
+    start = time.perf_counter()
+    stops = prompts.stop_token_ids(model.tokenizer)
+    suffix = prompts.question_suffix(model.tokenizer, question) if suffix is None else suffix
+    answer, cache = gen.ask(model.params, model.cfg, cache, suffix, max_new_tokens, stop_tokens=stops)
+    text = model.tokenizer.decode([t for t in answer if t not in stops]).strip()
+    print(f"Q: {question}\nA: {text}\n   [{len(answer)} tokens in {time.perf_counter() - start:.1f} s]", flush=True)
+    return cache
+
+
+def _add_compress(subparsers) -> None:
+    from kvzip_jax.kvzip.eviction import LEVELS
+    from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
+
+    parser = subparsers.add_parser("compress", help="compress a context's KV cache with KVzip once, then answer "
+                                   "questions from it")
+    parser.add_argument("--model", required=True, help="bundled model name or a model path")
+    parser.add_argument("--context", required=True, metavar="FILE", help="text file to use as the context")
+    parser.add_argument("--ratio", type=float, required=True,
+                        help="fraction of context KV pairs kept, in (0, 1] (kvpress's compression_ratio is 1 - it)")
+    parser.add_argument("--level", choices=LEVELS, default="pair", help="eviction level (head: run head-scores "
+                        "first; then no scoring pass)")
+    parser.add_argument("--question", action="append", metavar="Q", help="a question (repeatable)")
+    parser.add_argument("--questions", metavar="FILE", help='JSON list of strings or of {"question", "answer"}')
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
+    parser.add_argument("--sink", type=int, default=0, help="--level head: first context tokens every dropped head "
+                        "keeps (on top of the ratio)")
+    parser.add_argument("--recent", type=int, default=0, help="--level head: last context tokens every dropped "
+                        "head keeps (on top of the ratio)")
+    parser.set_defaults(handler=_compress, subparser=parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvzip-jax", description="KV-cache compression (KVzip) in JAX")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert(subparsers)
+    _add_head_scores(subparsers)
+    _add_compress(subparsers)
     return parser
 
 

@@ -2,9 +2,11 @@
 
 from kvzip_jax.kvzip.compress import KVzipConfig, score_and_evict
 from kvzip_jax.kvzip.eviction import LEVELS, RatioError, keep_mask
+from kvzip_jax.kvzip.head_level import HeadScoresError, head_keep, head_scores, load_head_scores, save_head_scores
 from kvzip_jax.kvzip.scoring import RereadInputs, reread_inputs, score
 
 evict = keep_mask
 
-__all__ = ["KVzipConfig", "LEVELS", "RatioError", "RereadInputs", "evict", "keep_mask", "reread_inputs", "score",
+__all__ = ["LEVELS", "HeadScoresError", "KVzipConfig", "RatioError", "RereadInputs", "evict", "head_keep",
+           "head_scores", "keep_mask", "load_head_scores", "reread_inputs", "save_head_scores", "score",
            "score_and_evict"]

@@ -1,0 +1,121 @@
+"""The kvzip-jax command, run in-process: bad input exits 2 with one line; compress and head-scores end to end on
+SmolLM2 with a tiny context (the model is restored once per module; registry.load itself is tested elsewhere)."""
+
+import io
+import json
+
+import pytest
+
+from kvzip_jax import cli
+from kvzip_jax.weights import registry
+from kvzip_jax.weights.checkpoint import is_checkpoint
+from tests.conftest import _checkpoints_dir
+
+CONTEXT = ("The survey team left Longyearbyen on the fourth of May. The helicopter that evacuated the injured "
+           "glaciologist was piloted by Ingrid Solberg. The backup ice-core drill travelled in crate K-4471. The "
+           "complete results will be presented in Trondheim next spring.")
+QUESTION = "Who piloted the helicopter?"
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoint(smollm2_gguf):
+    """The converted SmolLM2 checkpoint folder (converted once if absent)."""
+    directory = _checkpoints_dir() / registry.SMOLLM2
+    if not is_checkpoint(directory):
+        registry.convert(gguf=smollm2_gguf, out=directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def restored(smollm2_checkpoint):
+    return registry.load(smollm2_checkpoint)
+
+
+@pytest.fixture
+def smollm2(monkeypatch, smollm2_checkpoint, restored):
+    """The checkpoint folder; the CLI's registry.load returns the SmolLM2 restored once for this module."""
+    monkeypatch.setattr(registry, "load", lambda name: restored)
+    return smollm2_checkpoint
+
+
+@pytest.fixture
+def context_file(tmp_path):
+    path = tmp_path / "context.txt"
+    path.write_text(CONTEXT)
+    return path
+
+
+def _fails_with_one_line(capsys, argv, *fragments):
+    assert cli.main(argv) == cli.EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvzip-jax {argv[0]}: error: "), err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+@pytest.mark.parametrize("ratio", ["0", "1.5", "-0.2"])
+def test_a_ratio_outside_zero_one_exits_2(capsys, context_file, ratio):
+    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(context_file),
+                                  "--ratio", ratio], "ratio", "(0, 1]")
+
+
+def test_a_missing_or_empty_context_file_exits_2(capsys, tmp_path):
+    missing = tmp_path / "absent.txt"
+    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(missing),
+                                  "--ratio", "0.3"], "context file", str(missing))
+    empty = tmp_path / "empty.txt"
+    empty.write_text(" \n\n")
+    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(empty),
+                                  "--ratio", "0.3"], "empty")
+
+
+def test_a_malformed_questions_file_exits_2(capsys, context_file, tmp_path):
+    questions = tmp_path / "questions.json"
+    questions.write_text('[{"q": "no question key"}]')
+    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(context_file),
+                                  "--ratio", "0.3", "--questions", str(questions)], "JSON list")
+
+
+def test_level_head_without_head_scores_says_to_run_head_scores_first(capsys, context_file, tmp_path):
+    _fails_with_one_line(capsys, ["compress", "--model", str(tmp_path), "--context", str(context_file),
+                                  "--ratio", "0.5", "--level", "head"], f"kvzip-jax head-scores --model {tmp_path}")
+
+
+def test_compress_answers_from_the_compressed_cache(capsys, smollm2, context_file, tmp_path):
+    questions = tmp_path / "questions.json"
+    questions.write_text(json.dumps([{"question": "Which crate held the backup drill?", "answer": "K-4471"}]))
+    argv = ["compress", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
+            "--question", QUESTION, "--questions", str(questions), "--max-new-tokens", "12", "--chunk-size", "64"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prefill:" in out and "KVzip pair level at ratio 0.5: scored and evicted" in out
+    assert out.count("\nA: ") == 2 and f"Q: {QUESTION}\nA: " in out and "Q: Which crate" in out
+    assert "tokens in" in out
+    assert "KV cache bytes: full " in out and "KV cache bytes: compressed " in out and "allocated" in out
+    kept_line = next(line for line in out.splitlines() if line.startswith("tokens kept: "))
+    kept, total = (int(x) for x in kept_line.split()[2:5:2])
+    assert kept == total // 2  # floor(0.5 x context pairs), exactly
+
+
+def test_head_scores_then_compress_at_the_head_level_from_stdin(capsys, monkeypatch, smollm2, tmp_path):
+    model = tmp_path / "smollm2"  # a checkpoint folder of links, so head_scores.json lands in tmp_path
+    model.mkdir()
+    for entry in smollm2.iterdir():
+        if entry.name != "head_scores.json":
+            (model / entry.name).symlink_to(entry)
+    argv = ["head-scores", "--model", str(model), "--tokens", "96", "--chunk-size", "128"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "head scores [30, 3]" in out and "from 96 sample tokens" in out and "median" in out
+    assert json.loads((model / "head_scores.json").read_text())["tokens"] == 96
+    _fails_with_one_line(capsys, argv, "already exists", "--overwrite")
+
+    context = tmp_path / "context.txt"
+    context.write_text(CONTEXT)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTION}\n\n"))
+    argv = ["compress", "--model", str(model), "--context", str(context), "--ratio", "0.4", "--level", "head",
+            "--sink", "4", "--recent", "8", "--max-new-tokens", "8"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "from saved head scores, no scoring pass" in out and "questions from stdin" in out
+    assert out.count("\nA: ") == 1 and f"Q: {QUESTION}\nA: " in out
