@@ -1,0 +1,234 @@
+"""KVzip answer quality: many questions asked of one compressed cache, per ratio, against the full cache.
+
+    python bench/quality.py [--model qwen2.5-coder-0.5b-instruct] [--ratios 1.0,0.9,0.7,0.5,0.3,0.2,0.1]
+                            [--level pair[,layer,...]] [--max-new-tokens 32] [--contexts incident,museum]
+                            [--chunk-size N] [--json-out FILE]
+
+Each bundled context (kvzip_jax/data/quality/*.json: ~1,500 tokens of prose carrying codes, names, places and
+numbers, six questions each) is prefilled once and scored once by KVzip. For every level and ratio, the scores give
+a keep mask, the masked cache serves all questions of the context (greedy answers), and each answer is recorded:
+correct (the expected answer occurs in it, case-insensitive) and equal to the full-cache answer (same text).
+Prints a Markdown table per ratio (accuracy, full-cache accuracy, answers equal to the full-cache ones) and one per
+context. Ratio is the fraction of context KV pairs kept. Run it with kvzip-jax installed (`make test` does) or with
+PYTHONPATH set to the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax import kvzip, prompts
+from kvzip_jax.kvzip.eviction import check_ratio
+from kvzip_jax.kvzip.scoring import evictable_layers
+from kvzip_jax.weights import registry
+
+RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1)
+FULL = "full"  # the level label of answers from the uncompressed cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One answer. ratio None and level "full": the uncompressed cache."""
+
+    context: str
+    question: str
+    expected: str
+    level: str
+    ratio: float | None
+    answer: str
+    correct: bool
+    equal_to_full: bool
+    tokens: int
+    seconds: float
+
+
+def load_contexts(names: list[str] | None = None) -> dict[str, dict]:
+    """The bundled quality contexts by file stem: {"title", "context", "questions": [{"question", "answer"}]}."""
+    folder = resources.files("kvzip_jax").joinpath("data", "quality")
+    found = {Path(entry.name).stem: entry for entry in folder.iterdir() if entry.name.endswith(".json")}
+    unknown = sorted(set(names or ()) - set(found))
+    if unknown:
+        raise SystemExit(f"unknown context(s) {', '.join(unknown)}; bundled: {', '.join(sorted(found))}")
+    return {name: json.loads(found[name].read_text()) for name in sorted(names or found)}
+
+
+def _progress(total: int):
+    """A tqdm bar when tqdm is installed, else a no-op with the same update/close calls."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        class Silent:
+            def update(self, n=1):
+                pass
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                pass
+
+        return Silent()
+    return tqdm(total=total, unit="answer", file=sys.stderr, dynamic_ncols=True)
+
+
+def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), max_new_tokens: int = 32,
+                progress=None, chunk_size: int | None = None) -> tuple[list[Record], dict]:
+    """Prefills one context once, scores it once (reread chunks of chunk_size tokens; None: the library's
+    default), and answers all its questions from the full cache and from the masked cache of every (level, ratio).
+    Returns (records, timings in seconds)."""
+    tok, cfg, params = model.tokenizer, model.cfg, model.params
+    questions = item["questions"]
+    context, suffixes = prompts.split_for_reuse(tok, item["context"], [q["question"] for q in questions])
+    stops = prompts.stop_token_ids(tok)
+    timings = {"context_tokens": len(context) - context.context_start}
+
+    start = time.perf_counter()
+    logits, cache = gen.prefill(params, cfg, [context.ids()])
+    jax.block_until_ready(logits)
+    timings["prefill_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    chunking = {} if chunk_size is None else {"chunk_size": chunk_size}
+    reread = kvzip.reread_inputs(tok, [context.context_start], [context.ids()[context.context_slice]], **chunking)
+    masked, scores = jax.jit(kvzip.score_and_evict)(params, cfg, cache, reread, 1.0)
+    jax.block_until_ready(scores)
+    del masked
+    timings["score_s"] = time.perf_counter() - start
+    evictable = evictable_layers(cfg)
+
+    def answer_all(one_cache, level, ratio, full_answers):
+        # gen.ask donates its cache: work on a copy so that `cache` (shared by every masked view) survives.
+        work = jax.tree.map(jnp.copy, one_cache)
+        out = []
+        for i, (qa, suffix) in enumerate(zip(questions, suffixes)):
+            t0 = time.perf_counter()
+            answer, work = gen.ask(params, cfg, work, suffix, max_new_tokens, stop_tokens=stops)
+            seconds = time.perf_counter() - t0
+            text = tok.decode([t for t in answer if t not in stops]).strip()
+            out.append(Record(name, qa["question"], qa["answer"], level, ratio, text,
+                              qa["answer"].lower() in text.lower(),
+                              full_answers is None or text == full_answers[i], len(answer), seconds))
+            if progress is not None:
+                progress.update(1)
+        return out
+
+    start = time.perf_counter()
+    records = answer_all(cache, FULL, None, None)
+    full_answers = [r.answer for r in records]
+    for level in levels:
+        for ratio in ratios:
+            if progress is not None:
+                progress.set_postfix_str(f"{name} {level} {ratio}")
+            keep = kvzip.keep_mask(scores, reread.context_len, ratio, level, evictable)
+            view = kv.mask_context(cache, keep, reread.prefix_len, reread.context_len)
+            records += answer_all(view, level, ratio, full_answers)
+    timings["answers_s"] = time.perf_counter() - start
+    return records, timings
+
+
+def _frac(hits: int, total: int) -> str:
+    return f"{hits}/{total} ({100 * hits / total:.0f}%)" if total else "-"
+
+
+def tables(records: list[Record], ratios, levels) -> str:
+    """Markdown: per (level, ratio) accuracy, full-cache accuracy, answers equal to full; then per context."""
+    full = [r for r in records if r.level == FULL]
+    full_right = sum(r.correct for r in full)
+    many = len(levels) > 1
+    head = ("| level " if many else "") + "| ratio | accuracy | full-cache accuracy | answers equal to full |"
+    lines = [head, "|" + "---|" * (head.count(" | ") + 1)]
+    for level in levels:
+        for ratio in ratios:
+            rows = [r for r in records if r.level == level and r.ratio == ratio]
+            right, equal = sum(r.correct for r in rows), sum(r.equal_to_full for r in rows)
+            lines.append((f"| {level} " if many else "") + f"| {ratio:g} | {_frac(right, len(rows))} "
+                         f"| {_frac(full_right, len(full))} | {_frac(equal, len(rows))} |")
+    names = sorted({r.context for r in records})
+    lines += ["", "Per context: correct / equal to full (of " + str(len(full) // max(len(names), 1)) + " questions)",
+              "", "| level | ratio | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    per = lambda rows, name: [r for r in rows if r.context == name]
+    lines.append("| full | - | " + " | ".join(f"{sum(r.correct for r in per(full, n))}" for n in names) + " |")
+    for level in levels:
+        for ratio in ratios:
+            rows = [r for r in records if r.level == level and r.ratio == ratio]
+            cells = [f"{sum(r.correct for r in per(rows, n))} / {sum(r.equal_to_full for r in per(rows, n))}"
+                     for n in names]
+            lines.append(f"| {level} | {ratio:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _write_json_atomically(path: str, payload) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".quality-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1, ensure_ascii=False)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=registry.QWEN, help="bundled model name or a model path")
+    parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS),
+                        help="comma-separated fractions of context pairs kept")
+    parser.add_argument("--level", default="pair", help=f"comma-separated eviction levels of {kvzip.LEVELS}")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--chunk-size", type=int, help="reread chunk length in tokens (default: the library's)")
+    parser.add_argument("--contexts", help="comma-separated context names (default: all bundled)")
+    parser.add_argument("--json-out", help="write every answer as a JSON record to this file")
+    args = parser.parse_args(argv)
+
+    ratios = tuple(float(r) for r in args.ratios.split(","))
+    levels = tuple(level.strip() for level in args.level.split(","))
+    for level in levels:
+        if level not in kvzip.LEVELS:
+            parser.error(f"--level must be among {kvzip.LEVELS}, got {level!r}")
+    for ratio in ratios:
+        check_ratio(ratio)
+    contexts = load_contexts(args.contexts.split(",") if args.contexts else None)
+
+    wall = time.perf_counter()
+    model = registry.load(args.model)
+    print(f"model {model.name} loaded in {time.perf_counter() - wall:.1f} s (jax {jax.__version__}, "
+          f"{jax.default_backend()}); {len(contexts)} contexts; levels {', '.join(levels)}; "
+          f"ratios {', '.join(f'{r:g}' for r in ratios)}; max {args.max_new_tokens} new tokens; reread chunk "
+          f"{args.chunk_size or 'default'}", flush=True)
+    total = sum(len(item["questions"]) for item in contexts.values()) * (1 + len(levels) * len(ratios))
+    progress = _progress(total)
+    records = []
+    for name, item in contexts.items():
+        rows, t = run_context(model, name, item, ratios, levels, args.max_new_tokens, progress, args.chunk_size)
+        records += rows
+        full = [r for r in rows if r.level == FULL]
+        print(f"\n{name}: {t['context_tokens']} context tokens; prefill {t['prefill_s']:.1f} s, KVzip scoring "
+              f"{t['score_s']:.1f} s (both including any compilation), {len(rows)} answers in "
+              f"{t['answers_s']:.1f} s; full cache {sum(r.correct for r in full)}/{len(full)} right", flush=True)
+    progress.close()
+
+    print()
+    print(tables(records, ratios, levels))
+    print(f"\nwall time {time.perf_counter() - wall:.0f} s")
+    if args.json_out:
+        _write_json_atomically(args.json_out, [dataclasses.asdict(r) for r in records])
+        print(f"records written to {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
