@@ -18,7 +18,8 @@ def tiny_config(num_kv_heads: int, qkv_bias: bool = False) -> ModelConfig:
 
 
 def numpy_queries_and_keys(params, cfg, tokens):
-    """Per layer (q [T, N, H], k [T, K, H]) post-RoPE, of one causal pass over tokens [T], in float64."""
+    """Per layer (q [T, N, H], k [T, K, H], v [T, K, H], normed attention input h [T, D]) post-RoPE, of one causal
+    pass over tokens [T], in float64."""
     P = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     T, N, K, H = len(tokens), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
@@ -34,11 +35,12 @@ def numpy_queries_and_keys(params, cfg, tokens):
     out = []
     for i in range(cfg.num_layers):
         p = P[f"layers_{i}"]
-        qkv = rms(x, p["attn_norm"]) @ p["qkv"] + (p["qkv_bias"] if cfg.qkv_bias else 0)
+        h = rms(x, p["attn_norm"])
+        qkv = h @ p["qkv"] + (p["qkv_bias"] if cfg.qkv_bias else 0)
         q = rope(qkv[:, :N * H].reshape(T, N, H))
         k = rope(qkv[:, N * H:(N + K) * H].reshape(T, K, H))
         v = qkv[:, (N + K) * H:].reshape(T, K, H)
-        out.append((q, k))
+        out.append((q, k, v, h))
         kv_of = np.arange(N) // (N // K)
         logits = np.einsum("tnh,snh->nts", q, k[:, kv_of]) * H**-0.5
         logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
@@ -51,8 +53,10 @@ def numpy_queries_and_keys(params, cfg, tokens):
     return out
 
 
-def oracle_scores(params, cfg, prefix, context, rereads, chunk_size):
-    """[L, K, n] scores from the definition: per chunk, one causal pass over [prefix | context | reread]."""
+def oracle_scores(params, cfg, prefix, context, rereads, chunk_size, variant="softmax", kvzip_plus=False):
+    """[L, K, n] scores from the definition: per chunk, one causal pass over [prefix | context | reread].
+    variant "logits" takes the raw scaled logits instead of the softmax; kvzip_plus divides a row's weights by
+    |h| of its query token and multiplies a key's by |W_O v| for the query head's slice of W_O."""
     n, G = len(context), cfg.group_size
     scores = np.full((cfg.num_layers, cfg.num_kv_heads, n), np.nan)
     for t, reread in enumerate(rereads):
@@ -60,7 +64,8 @@ def oracle_scores(params, cfg, prefix, context, rereads, chunk_size):
         start = len(prefix) + t * chunk_size
         end = min(start + chunk_size, len(prefix) + n)
         base = len(prefix) + n  # first reread slot
-        for layer, (q, k) in enumerate(numpy_queries_and_keys(params, cfg, sequence)):
+        for layer, (q, k, v, h) in enumerate(numpy_queries_and_keys(params, cfg, sequence)):
+            o_proj = np.asarray(params[f"layers_{layer}"]["o"], np.float64).reshape(cfg.num_heads, cfg.head_dim, -1)
             for kh in range(cfg.num_kv_heads):
                 for g in range(G):
                     best = np.full(end - start, -np.inf)
@@ -69,7 +74,12 @@ def oracle_scores(params, cfg, prefix, context, rereads, chunk_size):
                         logits = k[keys, kh] @ q[base + row, kh * G + g] * cfg.head_dim**-0.5
                         probs = np.exp(logits - logits.max())
                         probs /= probs.sum()
-                        best = np.maximum(best, probs[len(prefix):len(prefix) + end - start])
+                        stat = (probs if variant == "softmax" else logits)[len(prefix):len(prefix) + end - start]
+                        if kvzip_plus:
+                            head = kh * G + g
+                            value_norm = np.linalg.norm(v[start:end, kh] @ o_proj[head], axis=-1)  # [chunk]
+                            stat = stat / np.linalg.norm(h[base + row]) * value_norm
+                        best = np.maximum(best, stat)
                     current = scores[layer, kh, start - len(prefix):end - len(prefix)]
                     scores[layer, kh, start - len(prefix):end - len(prefix)] = np.fmax(current, best)
     return scores
@@ -113,3 +123,19 @@ def test_scores_equal_the_numpy_oracle(num_kv_heads, qkv_bias, context_len, chun
     assert expected.min() < 0.2 and expected.max() > 0.8  # the scores really separate pairs
     np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
     assert np.all(np.isneginf(np.asarray(kvscore.score(params, cfg, cache, inputs))[:, 0, :, context_len:]))
+
+
+@pytest.mark.parametrize("variant, kvzip_plus, chunk_size", [
+    ("logits", False, 32), ("logits", False, 16), ("softmax", True, 32), ("softmax", True, 16)])
+def test_variants_equal_the_numpy_oracle(variant, kvzip_plus, chunk_size):
+    """The softmax-free variant and KVzip+, with one chunk (the forward's normaliser reused) and with three."""
+    cfg = tiny_config(2)
+    params = init_params(cfg, seed=1, scale=0.15)
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, cfg.vocab_size, 4).astype(np.int32)
+    context = rng.integers(0, cfg.vocab_size, 30).astype(np.int32)
+    _, cache = gen.prefill(params, cfg, [np.concatenate([prefix, context])], capacity=64)
+    inputs, rereads = _inputs(cfg, prefix, context, chunk_size)
+    ours = np.asarray(jax.jit(kvscore.score, static_argnums=(4, 5))(params, cfg, cache, inputs, variant, kvzip_plus))
+    expected = oracle_scores(params, cfg, prefix, context, rereads, chunk_size, variant, kvzip_plus)
+    np.testing.assert_allclose(ours[:, 0, :, :30], expected, atol=1e-5, rtol=1e-5)

@@ -14,7 +14,7 @@ D model width, L layers.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,9 @@ def _static(default):
     return dataclasses.field(default=default, metadata=dict(static=True))
 
 
+SCORE_BLOCK = 256  # keys per block of the blockwise score reductions
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RereadObserver:
@@ -42,10 +45,11 @@ class RereadObserver:
     Arrays are per batch row [B] and count cache slots. Returns per layer [B, K, width] scores of the slots
     [chunk_start, chunk_start + width); columns past chunk_len are meaningless.
 
-    When the cache holds nothing but [prefix | this chunk] (one chunk), the scoring key set is everything the
-    reread attends to: `dense_keys` then asks the forward for dense attention over the first prefix_cap + width
-    cache slots, whose weights serve both the forward's output and the score (computed once). Otherwise the
-    forward runs its blocked attention and the score is computed here over the key subset.
+    Nothing of size [reread x keys] is materialised: a pair's score max_t exp(s_t - lse_t) is reduced block by
+    block from the logits s of the chunk's keys and the log-normaliser lse_t of each reread row over the scoring key
+    set. When the cache holds nothing but [prefix | this chunk] (one chunk: `whole_cache`), that key set is all the
+    forward attends to, and its lse is reused from the forward's own attention; otherwise lse is one online pass
+    over [prefix | chunk | reread].
     """
 
     prefix_len: jax.Array  # slots [0, prefix_len) hold the never-evicted prefix
@@ -57,38 +61,67 @@ class RereadObserver:
     kvzip_plus: bool = _static(False)
     scored_layers: tuple[int, ...] | None = _static(None)  # None: all; others get zeros (never evicted)
     prefix_cap: int = _static(64)  # static slots read for the prefix (>= every row's prefix_len)
-    dense_keys: int | None = _static(None)  # set for a single chunk: prefix_cap + width
+    whole_cache: bool = _static(False)  # the cache holds only [prefix | this chunk]
 
     def __call__(self, view: AttentionView) -> jax.Array:
         B, T, K, G, H = view.q.shape
-        P, m = self.prefix_cap, self.width
+        m = self.width
         if self.scored_layers is not None and view.layer not in self.scored_layers:
             return jnp.zeros((B, K, m), jnp.float32)
-        take = functools.partial(_columns, start=self.chunk_start, size=m)
-        chunk_v = take(view.v, axis=2)  # [B, K, m, H]
-        if self.dense_keys is not None:  # the forward's own attention weights; the chunk's columns
-            stat = view.probs if self.variant == "softmax" else view.logits  # [B, K, G, T, S + T]
-            stat = take(stat, axis=4)  # [B, K, G, T, m]
-        else:  # only the scoring key set: [prefix (P slots) | this chunk (m) | the reread itself (T)]
-            keys = jnp.concatenate([view.k[:, :, :P], take(view.k, axis=2), view.k_new],
-                                   axis=2)  # [B, K, P + m + T, H]
-            prefix_visible = jnp.arange(P) < self.prefix_len[:, None]  # [B, P]
-            chunk_visible = jnp.arange(m) < self.chunk_len[:, None]  # [B, m]
-            cached = jnp.concatenate([prefix_visible, chunk_visible], axis=1)[:, None, :]  # [B, 1, P + m]
-            causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool))[None], (B, T, T))  # [B, T, T]
-            visible = jnp.concatenate([jnp.broadcast_to(cached, (B, T, P + m)), causal], axis=2)  # [B, T, P+m+T]
-            logits = jnp.einsum("BTKGH,BKSH->BKGTS", view.q, keys, preferred_element_type=jnp.float32) * view.scale
-            logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
-            stat = jax.nn.softmax(logits, axis=-1) if self.variant == "softmax" else logits
-            stat = stat[..., P:P + m]  # the chunk's columns [B, K, G, T, m]
-        if self.kvzip_plus:
-            query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)  # [B, T]
-            o_proj = view.o_proj.reshape(K, G, H, -1)  # [K, G, H, D]
-            value_norm = jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", chunk_v, o_proj), axis=-1)  # [B, K, G, m]
-            stat = stat / query_norm[:, None, None, :, None] * value_norm[:, :, :, None, :]
-        real_row = jnp.arange(T) < self.num_valid[:, None]  # [B, T]
-        stat = jnp.where(real_row[:, None, None, :, None], stat, -jnp.inf)
-        return stat.max(axis=(2, 3))  # [B, K, m]
+        qm = (view.q.astype(jnp.float32) * view.scale).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+        chunk_k = _columns(view.k, self.chunk_start, m, axis=2).astype(jnp.float32)  # [B, K, m, H]
+        chunk_v = _columns(view.v, self.chunk_start, m, axis=2).astype(jnp.float32)
+        lse = None
+        if self.variant == "softmax":
+            lse = view.lse if self.whole_cache else self._subset_lse(qm, view.k, chunk_k, view.k_new)  # [B,K,G,T]
+        real_row = (jnp.arange(T) < self.num_valid[:, None])[:, None, None, :, None]  # [B, 1, 1, T, 1]
+        query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :, None]  # [B,1,1,T,1]
+        o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
+
+        def block_scores(kv_block):  # keys, values [B, K, S, H] -> [B, K, S]
+            kb, vb = kv_block
+            stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb)  # logits
+            if lse is not None:
+                stat = jnp.exp(stat - lse[..., None])  # attention weights over the scoring key set
+            if self.kvzip_plus:
+                value_norm = jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
+                stat = stat / query_norm * value_norm[:, :, :, None, :]
+            return jnp.where(real_row, stat, -jnp.inf).max(axis=(2, 3))
+
+        size = math.gcd(m, SCORE_BLOCK)
+        split = lambda x: x.reshape(B, K, m // size, size, H).transpose(2, 0, 1, 3, 4)  # [blocks, B, K, size, H]
+        scores = jax.lax.map(block_scores, (split(chunk_k), split(chunk_v)))  # [blocks, B, K, size]
+        return scores.transpose(1, 2, 0, 3).reshape(B, K, m)
+
+    def _subset_lse(self, qm, cache_k, chunk_k, k_new) -> jax.Array:
+        """[B, K, G, T] log-normaliser of each reread row over [prefix (prefix_cap slots) | chunk | reread, causal]."""
+        B, K, G, T, H = qm.shape
+        P, m = self.prefix_cap, self.width
+        keys = jnp.concatenate([cache_k[:, :, :P].astype(jnp.float32), chunk_k, k_new.astype(jnp.float32)], axis=2)
+        cached = jnp.concatenate([jnp.arange(P) < self.prefix_len[:, None],
+                                  jnp.arange(m) < self.chunk_len[:, None]], axis=1)  # [B, P + m]
+        num_blocks = -(-keys.shape[2] // SCORE_BLOCK)
+        pad = num_blocks * SCORE_BLOCK - keys.shape[2]
+        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        cached = jnp.pad(cached, ((0, 0), (0, T + pad)))  # [B, S]: the reread's own keys are handled causally
+
+        def visit(j, state):
+            run_max, run_sum = state  # [B, K, G, T]
+            kb = jax.lax.dynamic_slice_in_dim(keys, j * SCORE_BLOCK, SCORE_BLOCK, axis=2)  # [B, K, S, H]
+            column = j * SCORE_BLOCK + jnp.arange(SCORE_BLOCK)  # [S]
+            own = column - (P + m)  # the reread position of a key, negative for cached keys
+            causal = (own[None, :] >= 0) & (own[None, :] <= jnp.arange(T)[:, None]) & (own[None, :] < T)  # [T, S]
+            cached_b = jax.lax.dynamic_slice_in_dim(cached, j * SCORE_BLOCK, SCORE_BLOCK, axis=1)  # [B, S]
+            visible = causal[None] | cached_b[:, None, :]  # [B, T, S]
+            s = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb)
+            s = jnp.where(visible[:, None, None], s, MASK_VALUE)
+            new_max = jnp.maximum(run_max, s.max(axis=-1))
+            run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(s - new_max[..., None]).sum(axis=-1)
+            return new_max, run_sum
+
+        init = (jnp.full((B, K, G, T), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32))
+        run_max, run_sum = jax.lax.fori_loop(0, num_blocks, visit, init)
+        return run_max + jnp.log(run_sum)
 
 
 def _columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
@@ -173,13 +206,12 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     num_chunks, B, W = reread.tokens.shape
     reread_start = cache.next_position  # [B]; the cache holds [prefix | context] only
-    dense_keys = reread.prefix_cap + reread.chunk_size if num_chunks == 1 else None
     per_chunk = []
     for t in range(num_chunks):
         observer = RereadObserver(
             prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
             num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
-            scored_layers=evictable_layers(cfg), prefix_cap=reread.prefix_cap, dense_keys=dense_keys)
+            scored_layers=evictable_layers(cfg), prefix_cap=reread.prefix_cap, whole_cache=num_chunks == 1)
         positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
         _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)

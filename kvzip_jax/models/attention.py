@@ -2,7 +2,7 @@
 
 The cache part is read from the cache before this step's write, so a caller that drops the returned cache (the
 KVzip reread) never pays for the write. Three forms give the same result:
-  dense_attention    materialises scores over all keys; for observers and the single-chunk KVzip reread
+  dense_attention    materialises scores over all keys; for observers that read them
   blocked_attention  online softmax over key blocks of a dense cache [B, K, C, H]
   ragged_attention   online softmax over a flat per-layer store [B, S, H] of per-head segments (ragged caches)
 
@@ -40,13 +40,14 @@ def attention_mask(query_slots: jax.Array, key_slots: jax.Array, key_visible: ja
 class AttentionView:
     """What one attention layer saw, handed to an observer. Arrays are float32 unless noted.
 
-    Keys are [the first S cache slots as they were before this step | the T new tokens]: S is the cache capacity,
-    or the observer's `dense_keys` when it asks for dense attention over fewer slots.
+    Keys are [the C cache slots as they were before this step | the T new tokens]. mask, logits and probs are
+    materialised only if the observer reads them (XLA drops them otherwise); lse comes from the forward itself.
     layer: layer index. hidden: the normed attention input [B, T, D]. q: post-norm, post-RoPE queries
-    [B, T, K, G, H]. k, v: the cache before this step's write [B, K, S, H]. k_new, v_new: [B, K, T, H].
-    key_slots: [B, K, S + T] int32 cache slot of each key (new token t goes to slot length + t).
-    query_slots: [B, K, T] int32. mask: [B, K, T, S + T] bool. logits: masked scaled scores and probs: softmax
-    weights, both [B, K, G, T, S + T]. o_proj: the output projection [N H, D]. scale: the attention scale on q.k.
+    [B, T, K, G, H]. k, v: the cache before this step's write [B, K, C, H]. k_new, v_new: [B, K, T, H].
+    filled: [B, K] cache slots in use before this step. key_slots: [B, K, C + T] int32 cache slot of each key (new
+    token t goes to slot filled + t). query_slots: [B, K, T] int32. mask: [B, K, T, C + T] bool. logits: masked
+    scaled scores and probs: softmax weights, both [B, K, G, T, C + T]. lse: [B, K, G, T] log of each query row's
+    softmax normaliser. o_proj: the output projection [N H, D]. scale: the attention scale on q.k.
     """
 
     layer: int
@@ -56,11 +57,13 @@ class AttentionView:
     v: jax.Array
     k_new: jax.Array
     v_new: jax.Array
+    filled: jax.Array
     key_slots: jax.Array
     query_slots: jax.Array
     mask: jax.Array
     logits: jax.Array
     probs: jax.Array
+    lse: jax.Array
     o_proj: jax.Array
     scale: float
 
@@ -80,10 +83,10 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, s
     return out, logits, probs
 
 
-def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None, num_slots: int | None = None):
-    """The key set [cache slots [0, S) | new tokens] as (k, v [B, K, S + T, H], key_slots, mask) for
-    dense_attention. filled [B, K]: cache slots in use before this step; num_slots: S (default: all C)."""
-    S = k.shape[2] if num_slots is None else min(num_slots, k.shape[2])
+def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
+    """The key set [cache slots | new tokens] as (k, v [B, K, C + T, H], key_slots, mask) for dense_attention.
+    filled [B, K]: cache slots in use before this step."""
+    S = k.shape[2]
     T = k_new.shape[2]
     cache_slots = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), filled.shape + (S,))  # [B, K, S]
     cache_visible = cache_slots < filled[..., None]
@@ -92,8 +95,8 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None, n
     key_slots = jnp.concatenate([cache_slots, filled[..., None] + jnp.arange(T, dtype=jnp.int32)], axis=2)
     key_visible = jnp.concatenate([cache_visible, jnp.ones(filled.shape + (T,), bool)], axis=2)  # [B, K, S + T]
     mask = attention_mask(query_slots, key_slots, key_visible, window)
-    keys = jnp.concatenate([k[:, :, :S], k_new.astype(k.dtype)], axis=2)
-    values = jnp.concatenate([v[:, :, :S], v_new.astype(v.dtype)], axis=2)
+    keys = jnp.concatenate([k, k_new.astype(k.dtype)], axis=2)
+    values = jnp.concatenate([v, v_new.astype(v.dtype)], axis=2)
     return keys, values, key_slots, mask
 
 
@@ -149,18 +152,22 @@ def _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, block:
 
 
 def _finish(state, q):
-    _, l, acc = state
-    return _unrows(acc / jnp.where(l == 0, 1.0, l)[..., None], q)  # a row that saw nothing stays zero
+    """(out [B, T, K, G, H], lse [B, K, G, T]: log-sum-exp of each query row's visible logits)."""
+    m, l, acc = state
+    B, T, K, G, H = q.shape
+    out = _unrows(acc / jnp.where(l == 0, 1.0, l)[..., None], q)  # a row that saw nothing stays zero
+    return out, (m + jnp.log(l)).reshape(B, K, G, T)
 
 
 def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                      key_keep=None, block: int = 256) -> jax.Array:
+                      key_keep=None, block: int = 256) -> tuple[jax.Array, jax.Array]:
     """dense_attention's output without materialising scores over the cache.
 
     q [B, T, K, G, H]; k, v [B, K, C, H] the cache before this step; filled [B, K] its slots in use; k_new, v_new
     [B, K, T, H]; query_slots [B, K, T]; key_keep [B, K, C] (masked caches) or None. Loops over cache blocks of
     `block` slots up to the most filled head only (a dynamic trip count: a short context in a large cache costs
-    what its length costs), then over the new keys. Returns [B, T, K, G, H].
+    what its length costs), then over the new keys. Returns (out [B, T, K, G, H], lse [B, K, G, T]), lse being
+    the log of each query row's softmax normaliser (observers reuse it).
     """
     B, T, K, G, H = q.shape
     C = k.shape[2]
@@ -192,7 +199,7 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
 
     Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
     most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
-    online-softmax states, then the new keys are visited. Returns [B, T, K, G, H].
+    online-softmax states, then the new keys are visited. Returns (out [B, T, K, G, H], lse [B, K, G, T]).
     """
     B, T, K, G, H = q.shape
     S = k.shape[1]

@@ -81,24 +81,22 @@ class Block(nn.Module):
         if isinstance(layer_cache, kv.RaggedLayerCache):
             if self.observer is not None:
                 raise ValueError("observers read dense caches; a ragged cache cannot be observed")
-            return attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, k_new,
-                                              v_new, query_slots, window, cfg.query_scale, layer_cache.block), None
-        blocked = lambda: attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
-                                                      query_slots, window, cfg.query_scale, layer_cache.keep)
+            out, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, k_new,
+                                                v_new, query_slots, window, cfg.query_scale, layer_cache.block)
+            return out, None
+        out, lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new, query_slots,
+                                               window, cfg.query_scale, layer_cache.keep)
         if self.observer is None:
-            return blocked(), None
-        # Dense weights for the observer; XLA drops them if it never reads them. An observer that sets
-        # `dense_keys` gets dense attention over fewer cache slots, and the forward reuses it as its output.
-        num_slots = getattr(self.observer, "dense_keys", None)
+            return out, None
+        # Dense weights for the observer; XLA drops them if it never reads them.
         keys, values, key_slots, mask = attention.dense_keys(layer_cache.k, layer_cache.v, k_new, v_new, filled,
-                                                             query_slots, window, layer_cache.keep, num_slots)
-        dense_out, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale)
-        S = keys.shape[2] - k_new.shape[2]
+                                                             query_slots, window, layer_cache.keep)
+        _, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale)
         observed = self.observer(attention.AttentionView(
-            layer=self.index, hidden=h, q=q, k=layer_cache.k[:, :, :S], v=layer_cache.v[:, :, :S], k_new=k_new,
-            v_new=v_new, key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
-            o_proj=o_proj, scale=cfg.query_scale))
-        return (blocked() if num_slots is None else dense_out), observed
+            layer=self.index, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, k_new=k_new, v_new=v_new,
+            filled=filled, key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
+            lse=lse, o_proj=o_proj, scale=cfg.query_scale))
+        return out, observed
 
 
 class Transformer(nn.Module):
