@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"KV cache: {kv.used_bytes(cache) / 2**20:.1f} MiB of keys/values filled, "
           f"{kv.nbytes(cache) / 2**20:.1f} MiB allocated (capacity {cache.capacity} tokens)")
 
-    full_right, cache = _answer_all(model, cache, qa, suffixes, stops, args.max_new_tokens, "full cache")
+    full, cache = _answer_all(model, cache, qa, suffixes, stops, args.max_new_tokens, "full cache")
 
     start = time.perf_counter()
     prefix_len = context.context_start
@@ -67,29 +67,37 @@ def main(argv: list[str] | None = None) -> int:
     compressed = kv.pack(masked, room)
     jax.block_until_ready(compressed)
     print(f"\nKVzip at ratio {args.ratio} (pair level): scored and evicted in {time.perf_counter() - start:.1f} s "
-          f"(including compilation); ragged cache {kv.nbytes(compressed) / 2**20:.1f} MiB allocated vs "
-          f"{kv.nbytes(cache) / 2**20:.1f} MiB full, {kv.used_bytes(compressed) / 2**20:.1f} MiB of pairs kept")
+          f"(including compilation); ragged cache {kv.nbytes(compressed) / 2**20:.1f} MiB allocated "
+          f"({kv.used_bytes(compressed) / 2**20:.1f} MiB of kept pairs, the rest room for {room} question and "
+          f"answer tokens) vs {kv.used_bytes(cache) / 2**20:.1f} MiB filled in the full cache")
     del masked, cache
-    compressed_right, _ = _answer_all(model, compressed, qa, suffixes, stops, args.max_new_tokens,
-                                      f"compressed cache, ratio {args.ratio}")
-    print(f"\nfull cache {full_right}/{len(qa)} right; compressed cache {compressed_right}/{len(qa)} right")
-    return 0 if full_right == compressed_right == len(qa) else 1
+    short, _ = _answer_all(model, compressed, qa, suffixes, stops, args.max_new_tokens,
+                           f"compressed cache, ratio {args.ratio}")
+
+    print("\n== side by side ==")
+    for item, (a_full, ok_full), (a_short, ok_short) in zip(qa, full, short):
+        print(f"Q: {item['question']}\n  full       [{'right' if ok_full else 'WRONG'}] {a_full}\n"
+              f"  ratio {args.ratio:<4} [{'right' if ok_short else 'WRONG'}] {a_short}")
+    full_right, short_right = sum(ok for _, ok in full), sum(ok for _, ok in short)
+    print(f"\nfull cache {full_right}/{len(qa)} right; compressed cache {short_right}/{len(qa)} right")
+    return 0 if full_right == short_right == len(qa) else 1
 
 
 def _answer_all(model, cache, qa, suffixes, stops, max_new_tokens, label):
-    """Answers every question from one cache (each question is appended, answered, then dropped)."""
+    """Answers every question from one cache (each question is appended, answered, then dropped).
+    Returns ([(answer, right)], cache)."""
     print(f"\n== answers from the {label} ==")
-    right = 0
+    results = []
     for item, suffix in zip(qa, suffixes):
         start = time.perf_counter()
         answer, cache = gen.ask(model.params, model.cfg, cache, suffix, max_new_tokens, stop_tokens=stops)
         seconds = time.perf_counter() - start
         text = model.tokenizer.decode([t for t in answer if t not in stops]).strip()
         hit = item["answer"].lower() in text.lower()
-        right += hit
+        results.append((text, hit))
         print(f"Q: {item['question']}\nA: {text}\n   [{'right' if hit else 'WRONG'}: expected {item['answer']!r}; "
               f"{len(answer)} tokens in {seconds:.1f} s]")
-    return right, cache
+    return results, cache
 
 
 if __name__ == "__main__":

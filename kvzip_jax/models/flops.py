@@ -32,22 +32,24 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int) -> int:
     return linear_flops_per_token(cfg) * num_tokens + attention_flops(cfg, num_tokens) + lm_head
 
 
-def kvzip_scoring_flops(cfg: ModelConfig, cached: int, reread_lengths: list[int], scoring_keys: list[int],
-                        scored_layers: int, reuses_forward: bool) -> int:
+def kvzip_scoring_flops(cfg: ModelConfig, cached: int, reread_lengths: list[int], chunk_lengths: list[int],
+                        prefix_len: int, scored_layers: int) -> int:
     """FLOPs KVzip's reconstruction scoring must do over a cache of `cached` tokens ([prefix | context]).
 
-    Per chunk, the reread of reread_lengths[t] tokens runs on top of the whole cache, without the LM head and
-    without what the last layer computes after its attention weights (p.v, output projection, MLP). Unless the
-    forward's attention already covers the scoring key set (one chunk: reuses_forward), the scores need q.k over
-    their own keys, scoring_keys[t] (prefix + chunk) cached ones plus the causal reread, in every scored layer.
+    Per chunk t, the reread of reread_lengths[t] tokens runs on top of the whole cache, without the LM head and
+    without what the last layer computes after its attention weights (p.v, output projection, MLP). In every scored
+    layer the chunk's scores then need q.k over its chunk_lengths[t] keys once more (no [reread x keys] array is
+    kept), and, with several chunks, the softmax normaliser over [prefix | chunk | reread] (one chunk reuses the
+    forward's).
     """
     D, F, H, N = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads
     last_layer_tail = 2 * (N * H * D + 3 * D * F)
     total = 0
-    for w, keys in zip(reread_lengths, scoring_keys):
+    for w, chunk in zip(reread_lengths, chunk_lengths):
         total += (linear_flops_per_token(cfg) - last_layer_tail) * w
         total += attention_flops(cfg, w, cached)
         total -= 2 * (cached * w + w * (w + 1) // 2) * H * N  # the last layer's p.v
-        if not reuses_forward:
-            total += scored_layers * 2 * (keys * w + w * (w + 1) // 2) * H * N
+        total += scored_layers * 2 * chunk * w * H * N
+        if len(reread_lengths) > 1:
+            total += scored_layers * 2 * ((prefix_len + chunk) * w + w * (w + 1) // 2) * H * N
     return total
