@@ -80,8 +80,8 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
         cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg))
     room = np.asarray(cache.room())  # [B]
     if np.any(lengths > room):
-        raise ContextTooLongError(f"{int(lengths.max())} new tokens do not fit the cache: room for "
-                                  f"{int(room.min())}")
+        raise ContextTooLongError(f"{int(lengths.max())} new tokens exceed the cache's capacity: room for "
+                                  f"{int(room.min())} more")
 
     last_logits = None
     for start in range(0, int(lengths.max()), chunk):

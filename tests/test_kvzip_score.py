@@ -101,7 +101,7 @@ def _inputs(cfg, prefix, context, chunk_size, seed=0):
         chunk_start=jnp.asarray(starts, jnp.int32),
         chunk_len=jnp.asarray([[len(c)] for c in chunks], jnp.int32),
         prefix_len=jnp.asarray([len(prefix)], jnp.int32), context_len=jnp.asarray([len(context)], jnp.int32),
-        chunk_size=chunk_size, prefix_cap=kvscore.prefix_bucket(len(prefix)))
+        chunk_size=chunk_size)
     return inputs, rereads
 
 

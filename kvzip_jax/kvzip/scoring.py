@@ -22,7 +22,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
-from kvzip_jax.models.attention import MASK_VALUE, AttentionView
+from kvzip_jax.models.attention import AttentionView
 from kvzip_jax.models.transformer import forward
 
 DEFAULT_CHUNK = 2048
@@ -47,9 +47,8 @@ class RereadObserver:
 
     Nothing of size [reread x keys] is materialised: a pair's score max_t exp(s_t - lse_t) is reduced block by
     block from the logits s of the chunk's keys and the log-normaliser lse_t of each reread row over the scoring key
-    set. When the cache holds nothing but [prefix | this chunk] (one chunk: `whole_cache`), that key set is all the
-    forward attends to, and its lse is reused from the forward's own attention; otherwise lse is one online pass
-    over [prefix | chunk | reread].
+    set [prefix | chunk | reread], which the forward's own attention accumulates alongside its full normaliser
+    (normaliser_subset), so the only extra work is q.k over the chunk's keys once more.
     """
 
     prefix_len: jax.Array  # slots [0, prefix_len) hold the never-evicted prefix
@@ -60,8 +59,6 @@ class RereadObserver:
     variant: str = _static("softmax")
     kvzip_plus: bool = _static(False)
     scored_layers: tuple[int, ...] | None = _static(None)  # None: all; others get zeros (never evicted)
-    prefix_cap: int = _static(64)  # static slots read for the prefix (>= every row's prefix_len)
-    whole_cache: bool = _static(False)  # the cache holds only [prefix | this chunk]
 
     def __call__(self, view: AttentionView) -> jax.Array:
         B, T, K, G, H = view.q.shape
@@ -73,7 +70,7 @@ class RereadObserver:
         chunk_v = _columns(view.v, self.chunk_start, m, axis=2).astype(jnp.float32)
         lse = None
         if self.variant == "softmax":
-            lse = view.lse if self.whole_cache else self._subset_lse(qm, view.k, chunk_k, view.k_new)  # [B,K,G,T]
+            lse = view.subset_lse  # [B, K, G, T] over [prefix | chunk | reread], from the forward
         real_row = (jnp.arange(T) < self.num_valid[:, None])[:, None, None, :, None]  # [B, 1, 1, T, 1]
         query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :, None]  # [B,1,1,T,1]
         o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
@@ -93,35 +90,12 @@ class RereadObserver:
         scores = jax.lax.map(block_scores, (split(chunk_k), split(chunk_v)))  # [blocks, B, K, size]
         return scores.transpose(1, 2, 0, 3).reshape(B, K, m)
 
-    def _subset_lse(self, qm, cache_k, chunk_k, k_new) -> jax.Array:
-        """[B, K, G, T] log-normaliser of each reread row over [prefix (prefix_cap slots) | chunk | reread, causal]."""
-        B, K, G, T, H = qm.shape
-        P, m = self.prefix_cap, self.width
-        keys = jnp.concatenate([cache_k[:, :, :P].astype(jnp.float32), chunk_k, k_new.astype(jnp.float32)], axis=2)
-        cached = jnp.concatenate([jnp.arange(P) < self.prefix_len[:, None],
-                                  jnp.arange(m) < self.chunk_len[:, None]], axis=1)  # [B, P + m]
-        num_blocks = -(-keys.shape[2] // SCORE_BLOCK)
-        pad = num_blocks * SCORE_BLOCK - keys.shape[2]
-        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        cached = jnp.pad(cached, ((0, 0), (0, T + pad)))  # [B, S]: the reread's own keys are handled causally
-
-        def visit(j, state):
-            run_max, run_sum = state  # [B, K, G, T]
-            kb = jax.lax.dynamic_slice_in_dim(keys, j * SCORE_BLOCK, SCORE_BLOCK, axis=2)  # [B, K, S, H]
-            column = j * SCORE_BLOCK + jnp.arange(SCORE_BLOCK)  # [S]
-            own = column - (P + m)  # the reread position of a key, negative for cached keys
-            causal = (own[None, :] >= 0) & (own[None, :] <= jnp.arange(T)[:, None]) & (own[None, :] < T)  # [T, S]
-            cached_b = jax.lax.dynamic_slice_in_dim(cached, j * SCORE_BLOCK, SCORE_BLOCK, axis=1)  # [B, S]
-            visible = causal[None] | cached_b[:, None, :]  # [B, T, S]
-            s = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb)
-            s = jnp.where(visible[:, None, None], s, MASK_VALUE)
-            new_max = jnp.maximum(run_max, s.max(axis=-1))
-            run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.exp(s - new_max[..., None]).sum(axis=-1)
-            return new_max, run_sum
-
-        init = (jnp.full((B, K, G, T), MASK_VALUE, jnp.float32), jnp.zeros((B, K, G, T), jnp.float32))
-        run_max, run_sum = jax.lax.fori_loop(0, num_blocks, visit, init)
-        return run_max + jnp.log(run_sum)
+    def normaliser_subset(self, slots: jax.Array) -> jax.Array:
+        """[B, K, S] bool: the cache slots of the scoring key set, [prefix | this chunk] (the reread's own keys are
+        in it too). The forward's attention returns each reread row's softmax normaliser over this subset, from the
+        same logits it computes anyway."""
+        start, end = self.chunk_start[:, None, None], (self.chunk_start + self.chunk_len)[:, None, None]
+        return (slots < self.prefix_len[:, None, None]) | ((slots >= start) & (slots < end))
 
 
 def _columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
@@ -143,7 +117,6 @@ class RereadInputs:
     prefix_len: jax.Array  # [B]
     context_len: jax.Array  # [B]
     chunk_size: int = _static(DEFAULT_CHUNK)
-    prefix_cap: int = _static(64)  # a bucket >= the longest prefix
 
 
 def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAULT_CHUNK,
@@ -180,13 +153,7 @@ def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAU
         tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid),
         chunk_start=jnp.asarray(prefix[None, :] + starts),
         chunk_len=jnp.asarray(np.clip(lengths[None, :] - starts, 0, chunk_size)),
-        prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size,
-        prefix_cap=prefix_bucket(int(prefix.max())))
-
-
-def prefix_bucket(prefix_len: int) -> int:
-    """Static number of slots the scoring reads for the prefix: a power of two >= prefix_len (at least 16)."""
-    return max(16, 1 << max(prefix_len - 1, 0).bit_length())
+        prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size)
 
 
 def evictable_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -211,7 +178,7 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         observer = RereadObserver(
             prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
             num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
-            scored_layers=evictable_layers(cfg), prefix_cap=reread.prefix_cap, whole_cache=num_chunks == 1)
+            scored_layers=evictable_layers(cfg))
         positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
         _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)

@@ -47,7 +47,8 @@ class AttentionView:
     filled: [B, K] cache slots in use before this step. key_slots: [B, K, C + T] int32 cache slot of each key (new
     token t goes to slot filled + t). query_slots: [B, K, T] int32. mask: [B, K, T, C + T] bool. logits: masked
     scaled scores and probs: softmax weights, both [B, K, G, T, C + T]. lse: [B, K, G, T] log of each query row's
-    softmax normaliser. o_proj: the output projection [N H, D]. scale: the attention scale on q.k.
+    softmax normaliser; subset_lse the same over the keys of the observer's `normaliser_subset` (see
+    blocked_attention). o_proj: the output projection [N H, D]. scale: the attention scale on q.k.
     """
 
     layer: int
@@ -64,6 +65,7 @@ class AttentionView:
     logits: jax.Array
     probs: jax.Array
     lse: jax.Array
+    subset_lse: jax.Array
     o_proj: jax.Array
     scale: float
 
@@ -113,14 +115,16 @@ def _unrows(out: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def _empty_state(B: int, K: int, M: int, H: int):
-    """Online-softmax state: running max [B, K, M], normaliser [B, K, M], weighted values [B, K, M, H]."""
+    """Online-softmax state: running max [B, K, M], normaliser [B, K, M], weighted values [B, K, M, H], and the
+    normaliser over a subset of the keys [B, K, M]."""
     return (jnp.full((B, K, M), MASK_VALUE, jnp.float32), jnp.zeros((B, K, M), jnp.float32),
-            jnp.zeros((B, K, M, H), jnp.float32))
+            jnp.zeros((B, K, M, H), jnp.float32), jnp.zeros((B, K, M), jnp.float32))
 
 
-def _visit(state, qm, kb, vb, visible):
-    """One online-softmax step over key block kb, vb [B, K, S, H] with visible [B, K, T, S]."""
-    m, l, acc = state
+def _visit(state, qm, kb, vb, visible, in_subset=None):
+    """One online-softmax step over key block kb, vb [B, K, S, H] with visible [B, K, T, S]; in_subset [B, K, S]
+    marks the keys of the subset normaliser (None: all)."""
+    m, l, acc, l_subset = state
     B, K, M, _ = qm.shape
     T, S = visible.shape[2], kb.shape[2]
     s = jnp.einsum("BKMH,BKSH->BKMS", qm, kb, preferred_element_type=jnp.float32)
@@ -128,9 +132,11 @@ def _visit(state, qm, kb, vb, visible):
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[..., None])  # [B, K, M, S]
     correction = jnp.exp(m - m_new)
-    l = l * correction + p.sum(axis=-1)
+    p_sum = p.sum(axis=-1)
+    l = l * correction + p_sum
     acc = acc * correction[..., None] + jnp.einsum("BKMS,BKSH->BKMH", p, vb.astype(jnp.float32))
-    return m_new, l, acc
+    subset_sum = p_sum if in_subset is None else jnp.einsum("BKMS,BKS->BKM", p, in_subset.astype(jnp.float32))
+    return m_new, l, acc, l_subset * correction + subset_sum
 
 
 def _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, block: int):
@@ -152,22 +158,26 @@ def _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, block:
 
 
 def _finish(state, q):
-    """(out [B, T, K, G, H], lse [B, K, G, T]: log-sum-exp of each query row's visible logits)."""
-    m, l, acc = state
+    """(out [B, T, K, G, H], lse, subset_lse [B, K, G, T]): the log-sum-exp of each query row's visible logits,
+    over all keys and over the subset."""
+    m, l, acc, l_subset = state
     B, T, K, G, H = q.shape
     out = _unrows(acc / jnp.where(l == 0, 1.0, l)[..., None], q)  # a row that saw nothing stays zero
-    return out, (m + jnp.log(l)).reshape(B, K, G, T)
+    lse = lambda total: (m + jnp.log(total)).reshape(B, K, G, T)
+    return out, lse(l), lse(l_subset)
 
 
 def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                      key_keep=None, block: int = 256) -> tuple[jax.Array, jax.Array]:
+                      key_keep=None, block: int = 256, subset=None):
     """dense_attention's output without materialising scores over the cache.
 
     q [B, T, K, G, H]; k, v [B, K, C, H] the cache before this step; filled [B, K] its slots in use; k_new, v_new
     [B, K, T, H]; query_slots [B, K, T]; key_keep [B, K, C] (masked caches) or None. Loops over cache blocks of
     `block` slots up to the most filled head only (a dynamic trip count: a short context in a large cache costs
-    what its length costs), then over the new keys. Returns (out [B, T, K, G, H], lse [B, K, G, T]), lse being
-    the log of each query row's softmax normaliser (observers reuse it).
+    what its length costs), then over the new keys. Returns (out [B, T, K, G, H], lse, subset_lse [B, K, G, T]):
+    the log of each query row's softmax normaliser, over all visible keys and over the visible keys of a subset
+    (observers reuse them; a subset is free: it reuses the same logits). subset: a function of cache slots
+    [B, K, S] -> bool [B, K, S] (the new keys always belong to it); None: all keys.
     """
     B, T, K, G, H = q.shape
     C = k.shape[2]
@@ -184,7 +194,8 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
         visible = slots < filled[..., None]
         if key_keep is not None:
             visible &= jax.lax.dynamic_slice_in_dim(key_keep, j * block_c, block_c, axis=2)
-        return _visit(state, qm, kb, vb, attention_mask(query_slots, slots, visible, window))
+        in_subset = None if subset is None else subset(slots)
+        return _visit(state, qm, kb, vb, attention_mask(query_slots, slots, visible, window), in_subset)
 
     last = -(-jnp.max(filled) // block_c)
     state = jax.lax.fori_loop(first, last, visit_cache, _empty_state(B, K, G * T, H))
@@ -199,7 +210,7 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
 
     Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
     most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
-    online-softmax states, then the new keys are visited. Returns (out [B, T, K, G, H], lse [B, K, G, T]).
+    online-softmax states, then the new keys are visited. Returns blocked_attention's triple (no subset).
     """
     B, T, K, G, H = q.shape
     S = k.shape[1]
@@ -227,5 +238,5 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     weight = jnp.exp(m_block - jnp.take_along_axis(m_head, owner[:, :, None], axis=1))  # [B, N, M]
     l_head = jnp.einsum("BNK,BNM->BKM", one_hot, l_block * weight)
     acc_head = jnp.einsum("BNK,BNMH->BKMH", one_hot, acc_block * weight[..., None])
-    state = _visit_new_keys((m_head, l_head, acc_head), qm, k_new, v_new, filled, query_slots, window, 256)
+    state = _visit_new_keys((m_head, l_head, acc_head, l_head), qm, k_new, v_new, filled, query_slots, window, 256)
     return _finish(state, q)

@@ -81,11 +81,13 @@ class Block(nn.Module):
         if isinstance(layer_cache, kv.RaggedLayerCache):
             if self.observer is not None:
                 raise ValueError("observers read dense caches; a ragged cache cannot be observed")
-            out, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, k_new,
+            out, _, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, k_new,
                                                 v_new, query_slots, window, cfg.query_scale, layer_cache.block)
             return out, None
-        out, lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new, query_slots,
-                                               window, cfg.query_scale, layer_cache.keep)
+        subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
+        out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
+                                                           query_slots, window, cfg.query_scale, layer_cache.keep,
+                                                           subset=subset)
         if self.observer is None:
             return out, None
         # Dense weights for the observer; XLA drops them if it never reads them.
@@ -95,7 +97,7 @@ class Block(nn.Module):
         observed = self.observer(attention.AttentionView(
             layer=self.index, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, k_new=k_new, v_new=v_new,
             filled=filled, key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
-            lse=lse, o_proj=o_proj, scale=cfg.query_scale))
+            lse=lse, subset_lse=subset_lse, o_proj=o_proj, scale=cfg.query_scale))
         return out, observed
 
 
