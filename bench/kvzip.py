@@ -121,8 +121,7 @@ def main() -> None:
         num_chunks = reread.tokens.shape[0]
         flops_prefill = prefill_flops(cfg, len(ids))
         flops_score = kvzip_scoring_flops(cfg, len(ids), [int(w) for w in reread.num_valid[:, 0]],
-                                          [int(c) for c in reread.chunk_len[:, 0]], prefix_len,
-                                          len(evictable_layers(cfg)))
+                                          [int(c) for c in reread.chunk_len[:, 0]], len(evictable_layers(cfg)))
 
         keep = kvzip.keep_mask(scores, reread.context_len, args.ratio, "pair", evictable_layers(cfg))
         masked = kv.mask_context(cache, keep, reread.prefix_len, reread.context_len)

@@ -76,14 +76,22 @@ class RereadObserver:
         o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
 
         def block_scores(kv_block):  # keys, values [B, K, S, H] -> [B, K, S]
+            # max_t exp(s_t - lse_t) / |h_t| = exp(max_t (s_t - lse_t - log |h_t|)): the max over reread rows comes
+            # first, so exp runs once per key, not once per (row, key). |W_O v| >= 0 scales after the max.
             kb, vb = kv_block
             stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb)  # logits
             if lse is not None:
-                stat = jnp.exp(stat - lse[..., None])  # attention weights over the scoring key set
+                stat = stat - lse[..., None]
+                if self.kvzip_plus:
+                    stat = stat - jnp.log(query_norm)
+            elif self.kvzip_plus:
+                stat = stat / query_norm
+            stat = jnp.where(real_row, stat, -jnp.inf).max(axis=3)  # [B, K, G, S]
+            if lse is not None:
+                stat = jnp.exp(stat)  # attention weights over the scoring key set
             if self.kvzip_plus:
-                value_norm = jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
-                stat = stat / query_norm * value_norm[:, :, :, None, :]
-            return jnp.where(real_row, stat, -jnp.inf).max(axis=(2, 3))
+                stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
+            return stat.max(axis=2)
 
         size = math.gcd(m, SCORE_BLOCK)
         split = lambda x: x.reshape(B, K, m // size, size, H).transpose(2, 0, 1, 3, 4)  # [blocks, B, K, size, H]

@@ -33,14 +33,13 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int) -> int:
 
 
 def kvzip_scoring_flops(cfg: ModelConfig, cached: int, reread_lengths: list[int], chunk_lengths: list[int],
-                        prefix_len: int, scored_layers: int) -> int:
+                        scored_layers: int) -> int:
     """FLOPs KVzip's reconstruction scoring must do over a cache of `cached` tokens ([prefix | context]).
 
     Per chunk t, the reread of reread_lengths[t] tokens runs on top of the whole cache, without the LM head and
     without what the last layer computes after its attention weights (p.v, output projection, MLP). In every scored
     layer the chunk's scores then need q.k over its chunk_lengths[t] keys once more (no [reread x keys] array is
-    kept), and, with several chunks, the softmax normaliser over [prefix | chunk | reread] (one chunk reuses the
-    forward's).
+    kept); their softmax normaliser comes from the forward's attention.
     """
     D, F, H, N = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads
     last_layer_tail = 2 * (N * H * D + 3 * D * F)
@@ -50,6 +49,4 @@ def kvzip_scoring_flops(cfg: ModelConfig, cached: int, reread_lengths: list[int]
         total += attention_flops(cfg, w, cached)
         total -= 2 * (cached * w + w * (w + 1) // 2) * H * N  # the last layer's p.v
         total += scored_layers * 2 * chunk * w * H * N
-        if len(reread_lengths) > 1:
-            total += scored_layers * 2 * ((prefix_len + chunk) * w + w * (w + 1) // 2) * H * N
     return total
