@@ -59,6 +59,7 @@ class RereadObserver:
     variant: str = _static("softmax")
     kvzip_plus: bool = _static(False)
     scored_layers: tuple[int, ...] | None = _static(None)  # None: all; others get zeros (never evicted)
+    whole_cache: bool = _static(False)  # one chunk: the cache holds only [prefix | this chunk]
 
     def __call__(self, view: AttentionView) -> jax.Array:
         B, T, K, G, H = view.q.shape
@@ -70,7 +71,7 @@ class RereadObserver:
         chunk_v = _columns(view.v, self.chunk_start, m, axis=2).astype(jnp.float32)
         lse = None
         if self.variant == "softmax":
-            lse = view.subset_lse  # [B, K, G, T] over [prefix | chunk | reread], from the forward
+            lse = view.lse if self.whole_cache else view.subset_lse  # [B, K, G, T] over [prefix | chunk | reread]
         real_row = (jnp.arange(T) < self.num_valid[:, None])[:, None, None, :, None]  # [B, 1, 1, T, 1]
         query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :, None]  # [B,1,1,T,1]
         o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
@@ -98,12 +99,16 @@ class RereadObserver:
         scores = jax.lax.map(block_scores, (split(chunk_k), split(chunk_v)))  # [blocks, B, K, size]
         return scores.transpose(1, 2, 0, 3).reshape(B, K, m)
 
-    def normaliser_subset(self, slots: jax.Array) -> jax.Array:
-        """[B, K, S] bool: the cache slots of the scoring key set, [prefix | this chunk] (the reread's own keys are
-        in it too). The forward's attention returns each reread row's softmax normaliser over this subset, from the
-        same logits it computes anyway."""
+    @property
+    def normaliser_subset(self):
+        """The cache slots of the scoring key set, [prefix | this chunk], as a function of slots [B, K, S] -> bool
+        (the reread's own keys are in it too); None when that is the whole cache (one chunk). The forward's
+        attention returns each reread row's softmax normaliser over this subset, from the logits it computes
+        anyway."""
+        if self.whole_cache:
+            return None
         start, end = self.chunk_start[:, None, None], (self.chunk_start + self.chunk_len)[:, None, None]
-        return (slots < self.prefix_len[:, None, None]) | ((slots >= start) & (slots < end))
+        return lambda slots: (slots < self.prefix_len[:, None, None]) | ((slots >= start) & (slots < end))
 
 
 def _columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
@@ -186,7 +191,7 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         observer = RereadObserver(
             prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
             num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
-            scored_layers=evictable_layers(cfg))
+            scored_layers=evictable_layers(cfg), whole_cache=num_chunks == 1)
         positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
         _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)

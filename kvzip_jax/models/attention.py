@@ -135,7 +135,7 @@ def _visit(state, qm, kb, vb, visible, in_subset=None):
     p_sum = p.sum(axis=-1)
     l = l * correction + p_sum
     acc = acc * correction[..., None] + jnp.einsum("BKMS,BKSH->BKMH", p, vb.astype(jnp.float32))
-    subset_sum = p_sum if in_subset is None else jnp.einsum("BKMS,BKS->BKM", p, in_subset.astype(jnp.float32))
+    subset_sum = p_sum if in_subset is None else jnp.where(in_subset[:, :, None, :], p, 0.0).sum(axis=-1)
     return m_new, l, acc, l_subset * correction + subset_sum
 
 
