@@ -5,7 +5,11 @@ Per layer, `k, v: [B, K, C, H]` hold post-norm, post-RoPE keys and values at the
 so that compressed caches can keep a different number of pairs per head. `next_position: [B]` is the logical
 position the next token gets; it equals the filled length until a compression evicts pairs.
 
-Einsum legend: B batch, K KV heads, C cache capacity (slots), H head dim, T new tokens.
+Compressed forms: a masked cache is the same arrays plus `keep: [B, K, C]` (mask_context); a ragged cache
+(pack) stores each layer as one flat `[B, S, H]` store of per-KV-head segments with `offsets: [B, K]`
+(RaggedLayerCache), so its bytes follow the pairs each head keeps.
+
+Einsum legend: B batch, K KV heads, C cache capacity (slots), S ragged store slots, H head dim, T new tokens.
 """
 
 from __future__ import annotations
