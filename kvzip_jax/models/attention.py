@@ -44,9 +44,9 @@ class AttentionView:
     materialised only if the observer reads them (XLA drops them otherwise); lse comes from the forward itself.
     layer: layer index. hidden: the normed attention input [B, T, D]. q: post-norm, post-RoPE queries
     [B, T, K, G, H]. k, v: the cache before this step's write [B, K, C, H]. k_new, v_new: [B, K, T, H].
-    filled: [B, K] cache slots in use before this step. key_slots: [B, K, C + T] int32 cache slot of each key (new
-    token t goes to slot filled + t). query_slots: [B, K, T] int32. mask: [B, K, T, C + T] bool. logits: masked
-    scaled scores and probs: softmax weights, both [B, K, G, T, C + T]. lse: [B, K, G, T] log of each query row's
+    key_slots: [B, K, C + T] int32 cache slot of each key (new token t goes to the first free slot + t).
+    query_slots: [B, K, T] int32. mask: [B, K, T, C + T] bool. logits: masked scaled scores and probs: softmax
+    weights, both [B, K, G, T, C + T]. lse: [B, K, G, T] log of each query row's
     softmax normaliser; subset_lse the same over the keys of the observer's `normaliser_subset` (see
     blocked_attention). o_proj: the output projection [N H, D]. scale: the attention scale on q.k.
     """
@@ -58,7 +58,6 @@ class AttentionView:
     v: jax.Array
     k_new: jax.Array
     v_new: jax.Array
-    filled: jax.Array
     key_slots: jax.Array
     query_slots: jax.Array
     mask: jax.Array

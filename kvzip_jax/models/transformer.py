@@ -96,7 +96,7 @@ class Block(nn.Module):
         _, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale)
         observed = self.observer(attention.AttentionView(
             layer=self.index, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, k_new=k_new, v_new=v_new,
-            filled=filled, key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
+            key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
             lse=lse, subset_lse=subset_lse, o_proj=o_proj, scale=cfg.query_scale))
         return out, observed
 
