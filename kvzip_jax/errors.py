@@ -27,3 +27,7 @@ class EmptyInputError(KvzipError):
 
 class ChecksumError(ModelFileError):
     """An assembled model file does not have the expected sha256."""
+
+
+class TaskFileError(KvzipError):
+    """A task file (JSONL of contexts, questions and answers) is missing or malformed."""

@@ -1,0 +1,1 @@
+"""Evaluation: offline task generators, metrics, the sweep runner and its report (table and plot)."""

@@ -1,0 +1,34 @@
+"""One evaluation example: a context and several questions about it, each with its reference answers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+METRICS = ("inclusion", "all", "exact", "f1", "rouge")
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """A context and its questions; every question is asked of the same (compressed) cache.
+
+    answers[i] holds the reference strings of questions[i]. metric says how a prediction is scored against them
+    (see kvzip_jax.eval.metrics): "inclusion" any reference occurs in the normalised prediction, "all" the fraction
+    of references that occur (variable tracking), "exact", "f1" (token F1), "rouge" (ROUGE-L F).
+    max_new_tokens: the answer length the task needs.
+    """
+
+    task: str
+    id: str
+    context: str
+    questions: tuple[str, ...]
+    answers: tuple[tuple[str, ...], ...]
+    metric: str = "inclusion"
+    max_new_tokens: int = 32
+
+    def __post_init__(self):
+        if len(self.questions) != len(self.answers):
+            raise ValueError(f"{len(self.questions)} questions but {len(self.answers)} answer lists")
+        if not self.questions:
+            raise ValueError("an example needs at least one question")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
