@@ -1,0 +1,115 @@
+"""Answer metrics (KVzip results/metric.py, adapted from SCBench) and the full-vs-compressed next-token divergence.
+
+Every text metric takes one prediction and the reference strings of its question and returns a float in [0, 1];
+`score` dispatches on the Example.metric names (kvzip_jax.eval.tasks.base.METRICS).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+import string
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from rouge_score import rouge_scorer
+
+from kvzip_jax.eval.tasks.base import METRICS
+
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_DIGITS = {
+    w: str(i) for i, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"))
+}
+_NUMBER_WORDS = re.compile(r"\b(" + "|".join(_DIGITS) + r")\b")
+_ROUGE = rouge_scorer.RougeScorer(["rougeL"])
+
+
+def normalize(text: str) -> str:
+    """Lowercase, strip punctuation, drop articles, collapse whitespace, number words zero..nine -> digits."""
+    text = _ARTICLES.sub(" ", text.lower().translate(_PUNCTUATION))
+    return _NUMBER_WORDS.sub(lambda m: _DIGITS[m.group()], " ".join(text.split()))
+
+
+def _check(references: Sequence[str]) -> None:
+    if isinstance(references, str) or not references:
+        raise ValueError(f"references must be a non-empty sequence of strings, got {references!r}")
+
+
+def inclusion(prediction: str, references: Sequence[str]) -> float:
+    """1.0 if any normalised reference is a substring of the normalised prediction."""
+    _check(references)
+    pred = normalize(prediction)
+    return float(any(normalize(r) in pred for r in references))
+
+
+def all_included(prediction: str, references: Sequence[str]) -> float:
+    """Fraction of the normalised references contained in the normalised prediction (variable tracking)."""
+    _check(references)
+    pred = normalize(prediction)
+    return sum(normalize(r) in pred for r in references) / len(references)
+
+
+def exact_match(prediction: str, references: Sequence[str]) -> float:
+    """1.0 if the normalised prediction equals any normalised reference."""
+    _check(references)
+    pred = normalize(prediction)
+    return float(any(normalize(r) == pred for r in references))
+
+
+def _f1(pred_tokens: list[str], ref_tokens: list[str]) -> float:
+    same = sum((collections.Counter(pred_tokens) & collections.Counter(ref_tokens)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred_tokens), same / len(ref_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(prediction: str, references: Sequence[str]) -> float:
+    """SQuAD token F1 between normalised whitespace tokens, max over references."""
+    _check(references)
+    pred = normalize(prediction).split()
+    return max(_f1(pred, normalize(r).split()) for r in references)
+
+
+def rouge_l(prediction: str, references: Sequence[str]) -> float:
+    """ROUGE-L F-measure (rouge_score's tokenizer: lowercase alphanumeric tokens, no stemming), max over references."""
+    _check(references)
+    return max(_ROUGE.score(r, prediction)["rougeL"].fmeasure for r in references)
+
+
+_SCORERS = {"inclusion": inclusion, "all": all_included, "exact": exact_match, "f1": token_f1, "rouge": rouge_l}
+
+
+def score(metric: str, prediction: str, references: Sequence[str]) -> float:
+    """The named metric of one prediction; a blank prediction scores 0.0 whatever the metric (as in KVzip)."""
+    if metric not in _SCORERS:
+        raise ValueError(f"unknown metric {metric!r}; expected one of {METRICS}")
+    if not prediction.strip():
+        _check(references)
+        return 0.0
+    return _SCORERS[metric](prediction, references)
+
+
+def next_token_divergence(
+    full_logits: jax.Array, compressed_logits: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Per-row mean KL(softmax(full) || softmax(compressed)) and argmax-flip rate over the valid positions.
+
+    full_logits, compressed_logits: [B, T, V] logits of the same teacher-forced tokens under the full and the
+    compressed cache; valid: [B, T] bool. Returns (kl [B], flip [B]) float32; a row without a valid position gives 0.
+    """
+    if full_logits.shape != compressed_logits.shape or full_logits.ndim != 3:
+        raise ValueError(f"logits must both be [B, T, V], got {full_logits.shape} and {compressed_logits.shape}")
+    if valid.shape != full_logits.shape[:2]:
+        raise ValueError(f"valid must be [B, T] = {full_logits.shape[:2]}, got {valid.shape}")
+    logp = jax.nn.log_softmax(full_logits.astype(jnp.float32), axis=-1)
+    logq = jax.nn.log_softmax(compressed_logits.astype(jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    # p == 0 terms contribute 0 (avoids 0 * (-inf - -inf) = NaN for masked vocabulary entries).
+    kl = jnp.maximum(jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1), 0.0)  # [B, T]
+    flip = (jnp.argmax(full_logits, axis=-1) != jnp.argmax(compressed_logits, axis=-1)).astype(jnp.float32)
+    valid = valid.astype(bool)
+    count = jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(jnp.float32)  # [B]
+    return jnp.sum(jnp.where(valid, kl, 0.0), -1) / count, jnp.sum(jnp.where(valid, flip, 0.0), -1) / count

@@ -1,0 +1,223 @@
+"""Sweep report: per-answer JSONL records -> per-(task, method, mode, ratio) summary, markdown/CSV tables and a plot.
+
+A record (one JSON object per line, one per answered question) holds: model, task, example (id), question (index
+within the example), method ("full" for the uncompressed cache, else "kvzip", "snapkv", ...), mode ("full" for the
+full cache, else "reuse" / "first" / "oracle"), ratio (1.0 for full), prediction, references, metric, score (0..1),
+agree (prediction equals the full cache's), kl, flip (kvzip_jax.eval.metrics.next_token_divergence), seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+MODES = ("full", "reuse", "first", "oracle")
+SUMMARIZED = ("model", "task", "example", "question", "method", "mode", "ratio", "score", "agree", "kl", "flip")
+COLUMNS = ("task", "method", "mode", "ratio", "n", "score", "normalised", "agree", "kl", "flip")
+# value -> (axis / heading label, cell format); "score" is shown in %.
+VALUES = {
+    "normalised": ("score / full-cache score (%)", "{:.1f}"),
+    "score": ("score (%)", "{:.1f}"),
+    "agree": ("answers equal to the full cache's (%)", "{:.1f}"),
+    "kl": ("next-token KL(full || compressed)", "{:.4f}"),
+    "flip": ("next-token argmax flip rate", "{:.3f}"),
+}
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """The records of a JSONL file; an invalid last line (an interrupted write) is dropped, any other raises."""
+    lines = [(i + 1, line) for i, line in enumerate(Path(path).read_bytes().split(b"\n")) if line.strip()]
+    records = []
+    for k, (lineno, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            if k == len(lines) - 1:
+                break
+            raise ValueError(f"{path}, line {lineno}: invalid record: {e}") from None
+        records.append(record)
+    return records
+
+
+def _check(records: Sequence[dict]) -> None:
+    for i, r in enumerate(records):
+        missing = [f for f in SUMMARIZED if f not in r]
+        if missing:
+            raise ValueError(f"record {i} lacks {missing}")
+        if r["mode"] not in MODES:
+            raise ValueError(f"record {i}: mode must be one of {MODES}, got {r['mode']!r}")
+        if (r["method"] == "full") != (r["mode"] == "full") or (r["method"] == "full" and r["ratio"] != 1.0):
+            raise ValueError(f"record {i}: the full cache is method 'full', mode 'full', ratio 1.0; got "
+                             f"{r['method']!r}, {r['mode']!r}, {r['ratio']!r}")
+    models = sorted({r["model"] for r in records})
+    if len(models) > 1:
+        raise ValueError(f"records of several models {models}; summarize one model at a time")
+
+
+def _mean(xs: Iterable[float]) -> float:
+    xs = list(xs)
+    return sum(xs) / len(xs)
+
+
+def _row_order(row: dict) -> tuple:
+    return row["task"], row["method"] != "full", row["method"], MODES.index(row["mode"]), -row["ratio"]
+
+
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """One row per (task, method, mode, ratio), the full cache included (method/mode "full", ratio 1.0), sorted.
+
+    Row fields (COLUMNS): n; score (mean, 0..1); normalised = 100 * mean score / mean full-cache score over the
+    questions (example, question) that have a full-cache record (None when there are none or the full mean is 0);
+    agree (% of answers equal to the full cache's); kl and flip (means).
+    """
+    _check(records)
+    full = {(r["task"], r["example"], r["question"]): float(r["score"]) for r in records if r["method"] == "full"}
+    groups = collections.defaultdict(list)
+    for r in records:
+        groups[r["task"], r["method"], r["mode"], round(float(r["ratio"]), 6)].append(r)
+    rows = []
+    for (task, method, mode, ratio), group in groups.items():
+        paired = [(float(r["score"]), full[k]) for r in group if (k := (task, r["example"], r["question"])) in full]
+        full_mean = _mean(f for _, f in paired) if paired else 0.0
+        rows.append({
+            "task": task, "method": method, "mode": mode, "ratio": ratio, "n": len(group),
+            "score": _mean(float(r["score"]) for r in group),
+            "normalised": 100 * _mean(s for s, _ in paired) / full_mean if full_mean else None,
+            "agree": 100 * _mean(bool(r["agree"]) for r in group),
+            "kl": _mean(float(r["kl"]) for r in group),
+            "flip": _mean(float(r["flip"]) for r in group),
+        })
+    return sorted(rows, key=_row_order)
+
+
+def _spec(value: str) -> tuple[str, str]:
+    """(label, cell format) of a value name."""
+    if value not in VALUES:
+        raise ValueError(f"value must be one of {tuple(VALUES)}, got {value!r}")
+    return VALUES[value]
+
+
+def _shown(row: dict, value: str) -> float | None:
+    """The row's value in display units (score in %)."""
+    v = row[value]
+    return None if v is None else 100 * v if value == "score" else v
+
+
+def markdown_table(rows: Sequence[dict], value: str = "normalised") -> str:
+    """A markdown table of one value: rows (task, method, mode), columns the ratios in descending order.
+
+    Each task's full-cache row shows the full cache's raw score in % (under ratio 1.0) whatever the value;
+    "-" marks a missing cell or a None value.
+    """
+    if not rows:
+        raise ValueError("no rows to tabulate")
+    _spec(value)
+    ratios = sorted({r["ratio"] for r in rows}, reverse=True)
+    cells = collections.defaultdict(dict)  # (task, method, mode) -> ratio -> text
+    for r in rows:
+        shown = "score" if r["method"] == "full" else value
+        v = _shown(r, shown)
+        cells[r["task"], r["method"], r["mode"]][r["ratio"]] = "-" if v is None else VALUES[shown][1].format(v)
+    lines = ["| task | method | mode | " + " | ".join(str(x) for x in ratios) + " |",
+             "|---|---|---|" + "---:|" * len(ratios)]
+    for key, by_ratio in cells.items():
+        lines.append("| " + " | ".join(key) + " | " + " | ".join(by_ratio.get(x, "-") for x in ratios) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """write(tmp) into a temporary file next to path, then os.replace it onto path."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _write_text(path: str | os.PathLike, text: str) -> Path:
+    return _write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> Path:
+    """The summary rows as CSV (COLUMNS; None as an empty cell), written atomically."""
+    def write(tmp: Path) -> None:
+        with tmp.open("w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows({k: "" if r[k] is None else r[k] for k in COLUMNS} for r in rows)
+    return _write_atomic(path, write)
+
+
+def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised") -> Path:
+    """A PNG with one subplot per task: value against ratio (1.0 at the left, descending), one line per
+    (method, mode), the full cache as a dashed horizontal line (100 for normalised scores). Written atomically."""
+    if not rows:
+        raise ValueError("no rows to plot")
+    label = _spec(value)[0]
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    lowest = min(r["ratio"] for r in rows)
+    ncols = min(3, len(tasks))
+    nrows = math.ceil(len(tasks) / ncols)
+    fig = Figure(figsize=(5 * ncols, 3.8 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, task in zip(axes, tasks):
+        lines = collections.defaultdict(list)  # (method, mode) -> [(ratio, value)]
+        for r in rows:
+            v = _shown(r, value)
+            if r["task"] != task or v is None:
+                continue
+            if r["method"] == "full":
+                ax.axhline(v, color="black", linestyle="--", linewidth=1, label="full cache")
+            else:
+                lines[r["method"], r["mode"]].append((r["ratio"], v))
+        for (method, mode), pts in lines.items():
+            xs, ys = zip(*sorted(pts, reverse=True))
+            ax.plot(xs, ys, marker="o", markersize=4, label=f"{method} ({mode})")
+        ax.set_xlim(1.03, lowest - 0.03)  # descending: the full cache's 1.0 at the left
+        ax.set(title=task, xlabel="KV cache ratio", ylabel=label)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="small")
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
+    return _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+
+
+def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Path]:
+    """summary.md (normalised score, agreement and KL tables), summary.csv and scores.png in out_dir, each
+    written atomically; returns their paths under the keys "markdown", "csv", "plot"."""
+    records = read_records(jsonl_path)
+    if not records:
+        raise ValueError(f"{jsonl_path} holds no records")
+    rows = summarize(records)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    note = "Full-cache rows: the full cache's raw score (%).\n\n"
+    sections = [f"# {records[0]['model']}: {len(records)} answers ({Path(jsonl_path).name})\n"]
+    for value, heading in (("normalised", "Score normalised by the full cache's (%)"),
+                           ("agree", "Answers equal to the full cache's (%)"),
+                           ("kl", "Next-token KL(full || compressed), teacher-forced")):
+        sections.append(f"## {heading}\n\n{note}{markdown_table(rows, value)}")
+    return {
+        "markdown": _write_text(out / "summary.md", "\n".join(sections)),
+        "csv": write_csv(rows, out / "summary.csv"),
+        "plot": plot(rows, out / "scores.png"),
+    }
