@@ -1,6 +1,7 @@
 """KVzip cost on SmolLM2-135M, measured side by side in one run (CPU float32 here).
 
     python bench/kvzip.py [--tokens 2048 4096] [--ratio 0.3] [--decode-tokens 32] [--kvpress-python PATH]
+                           [--random-weights]
 
 Per context length (real text: the bundled demo document, repeated as needed, cut to exactly N context tokens):
   - prefill time, and scoring time (KVzip's reread + scores, jitted) as a multiple of that prefill, printed beside
@@ -102,11 +103,14 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"))
+    parser.add_argument("--random-weights", action="store_true", help="the checkpoint's config and tokenizer with "
+                        "random params (timing only, for machines without the weights; kvpress is skipped)")
     args = parser.parse_args()
 
-    model = registry.load(registry.SMOLLM2)
+    model = registry.load_random(registry.SMOLLM2) if args.random_weights else registry.load(registry.SMOLLM2)
     cfg, tok = model.cfg, model.tokenizer
-    print(f"SmolLM2-135M float32, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
+    weights = " (random weights)" if args.random_weights else ""
+    print(f"SmolLM2-135M float32{weights}, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
           f"KVzip ratio {args.ratio}, chunk {args.chunk_size}, best of {args.repeats}")
     score = jax.jit(kvzip.score)
     rows = []
@@ -149,6 +153,8 @@ def main() -> None:
               f"{decode_ragged * 1e3:.1f} ms ({decode_full / decode_ragged:.2f}x faster than full)")
         del cache, masked, ragged, ragged_bare, scores
 
+    if args.random_weights:
+        return
     if not Path(args.kvpress_python).exists():
         print(f"\nkvpress: not installed ({args.kvpress_python} missing; run bench/setup_kvpress_venv.sh)")
         return

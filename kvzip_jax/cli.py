@@ -8,6 +8,10 @@
                      [--question Q ...] [--questions FILE] [--max-new-tokens N] [--chunk-size M]
       prefill the context once, compress its cache with KVzip (ratio = fraction of context pairs kept), then answer
       each question from the compressed cache; with no questions given, reads them from stdin, one per line
+  kvzip-jax eval --model NAME_OR_PATH [--methods kvzip,snapkv,...] [--ratios 1,0.9,...] [--tasks niah,...]
+                 [--jsonl FILE ...] [--contexts N] [--context-tokens N] [--modes reuse,first,oracle] [--out DIR]
+      a sweep: every context prefilled and scored once per method, every question answered from every compressed
+      cache; results appended to DIR/results.jsonl (a rerun resumes), then DIR/summary.md, summary.csv, scores.png
 
 Errors kvzip-jax raises on purpose (kvzip_jax.errors) print as one line and exit with code 2.
 """
@@ -284,12 +288,77 @@ def _add_compress(subparsers) -> None:
     parser.set_defaults(handler=_compress, subparser=parser)
 
 
+def _csv(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from kvzip_jax.eval import report, tasks
+    from kvzip_jax.eval.sweep import SweepConfig, run_sweep
+    from kvzip_jax.weights import registry
+
+    try:
+        ratios = tuple(float(r) for r in _csv(args.ratios))
+    except ValueError:
+        args.subparser.error(f"--ratios must be comma-separated numbers, got {args.ratios!r}")
+    if args.contexts < 1 or args.context_tokens < 1:
+        args.subparser.error("--contexts and --context-tokens must be >= 1")
+    try:
+        config = SweepConfig(methods=tuple(_csv(args.methods)), ratios=ratios, modes=tuple(_csv(args.modes)),
+                             batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed)
+    except ValueError as e:
+        args.subparser.error(str(e))
+    names = _csv(args.tasks) if args.tasks else ([] if args.jsonl else list(tasks.TASKS))
+    unknown = sorted(set(names) - set(tasks.TASKS))
+    if unknown:
+        args.subparser.error(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}")
+    examples = [ex for path in args.jsonl or [] for ex in tasks.load_jsonl(path)]
+    examples += [ex for name in names for ex in tasks.generate(name, args.contexts, args.seed, args.context_tokens)]
+
+    model = registry.load(args.model)
+    out = Path(args.out or Path("runs") / model.name)
+    print(f"sweep: {len(examples)} contexts, {sum(len(ex.questions) for ex in examples)} questions, methods "
+          f"{','.join(config.methods)}, modes {','.join(config.modes)}, ratios {','.join(map(str, ratios))} "
+          f"-> {out}/results.jsonl", flush=True)
+    start = time.perf_counter()
+    results = run_sweep(model, examples, config, out / "results.jsonl", progress=not args.no_progress)
+    written = report.write_report(results.path, out)
+    print(f"done in {time.perf_counter() - start:.0f} s; " + ", ".join(str(p) for p in written.values()))
+    print((out / "summary.md").read_text())
+    return 0
+
+
+def _add_eval(subparsers) -> None:
+    from kvzip_jax.baselines import METHODS
+    from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
+
+    parser = subparsers.add_parser("eval", help="sweep methods x ratios x tasks; resumable; table and plot")
+    parser.add_argument("--model", required=True, help="bundled model name or a model path")
+    parser.add_argument("--methods", default="kvzip,snapkv,pyramidkv,h2o,streamingllm",
+                        help=f"comma-separated, from {','.join(METHODS)}")
+    parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
+    parser.add_argument("--tasks", help="comma-separated generated tasks (default: all, unless --jsonl is given)")
+    parser.add_argument("--jsonl", action="append", metavar="FILE",
+                        help="SCBench-style records {context, queries, answers} (repeatable)")
+    parser.add_argument("--contexts", type=int, default=20, help="generated contexts per task")
+    parser.add_argument("--context-tokens", type=int, default=1000, help="approximate size of generated contexts")
+    parser.add_argument("--modes", default="reuse", help="reuse (compress once, no question), first (compress "
+                        "with the first question, reuse), oracle (recompress per question); query-aware methods")
+    parser.add_argument("--batch-size", type=int, default=8, help="contexts per jitted batch")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
+    parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
+    parser.add_argument("--out", metavar="DIR", help="output folder (default runs/MODEL)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=_eval, subparser=parser)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvzip-jax", description="KV-cache compression (KVzip) in JAX")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_convert(subparsers)
     _add_head_scores(subparsers)
     _add_compress(subparsers)
+    _add_eval(subparsers)
     return parser
 
 

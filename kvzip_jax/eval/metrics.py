@@ -7,13 +7,13 @@ Every text metric takes one prediction and the reference strings of its question
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import string
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from rouge_score import rouge_scorer
 
 from kvzip_jax.eval.tasks.base import METRICS
 
@@ -23,7 +23,6 @@ _DIGITS = {
     w: str(i) for i, w in enumerate(("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"))
 }
 _NUMBER_WORDS = re.compile(r"\b(" + "|".join(_DIGITS) + r")\b")
-_ROUGE = rouge_scorer.RougeScorer(["rougeL"])
 
 
 def normalize(text: str) -> str:
@@ -73,10 +72,17 @@ def token_f1(prediction: str, references: Sequence[str]) -> float:
     return max(_f1(pred, normalize(r).split()) for r in references)
 
 
+@functools.cache
+def _rouge_scorer():
+    from rouge_score import rouge_scorer  # imported on first use: only summary-style tasks need it
+
+    return rouge_scorer.RougeScorer(["rougeL"])
+
+
 def rouge_l(prediction: str, references: Sequence[str]) -> float:
     """ROUGE-L F-measure (rouge_score's tokenizer: lowercase alphanumeric tokens, no stemming), max over references."""
     _check(references)
-    return max(_ROUGE.score(r, prediction)["rougeL"].fmeasure for r in references)
+    return max(_rouge_scorer().score(r, prediction)["rougeL"].fmeasure for r in references)
 
 
 _SCORERS = {"inclusion": inclusion, "all": all_included, "exact": exact_match, "f1": token_f1, "rouge": rouge_l}

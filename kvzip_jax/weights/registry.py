@@ -166,3 +166,16 @@ def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None) ->
         return LoadedModel(path.stem, cfg, _as_jax(params), tokenizer_from_gguf(path))
     raise ModelFileError(f"{name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint "
                          "folder, an HF folder or a GGUF file")
+
+
+def load_random(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, seed: int = 0) -> LoadedModel:
+    """A converted checkpoint's config and tokenizer with random params (its params/ are not read): for timing
+    runs on machines that do not hold the weights."""
+    from kvzip_jax.models.params import init_params
+    from kvzip_jax.weights.checkpoint import TOKENIZER, load_config
+
+    directory = Path(checkpoints_dir or default_checkpoints_dir()) / str(name_or_path) \
+        if str(name_or_path) in BUNDLED else Path(name_or_path)
+    cfg = load_config(directory)
+    return LoadedModel(directory.name, cfg, init_params(cfg, seed), tokenizer_from_hf(directory / TOKENIZER))
+

@@ -1,0 +1,86 @@
+"""Batched answers from one cache: greedy decoding and teacher-forced next-token logits, cache left as it was.
+
+One question per row: suffix rows [question | answer header] are appended after each row's context, answered, and
+dropped again (mark and rewind), so a cache serves any number of questions. `answer_forced` also forwards a given
+answer after the suffix in the same pass, which yields both the teacher-forced logits over that answer and the
+state to decode from (the cache rewound to just after the suffix).
+
+Einsum legend: B batch, T appended tokens, A answer tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+
+
+@dataclasses.dataclass(frozen=True)
+class Answers:
+    """tokens: the greedy answer of each row (stop token included); logits [B, A, V]: teacher-forced next-token
+    logits over the forced answer (None when none was forced); valid [B, A] bool marks real answer positions."""
+
+    tokens: list[list[int]]
+    logits: jax.Array | None = None
+    valid: np.ndarray | None = None
+
+
+def pad_rows(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Right-padded [B, W] block (W a bucketed width) and the row lengths [B]."""
+    lengths = np.array([len(r) for r in rows], np.int32)
+    block = np.zeros((len(rows), gen.bucket(int(lengths.max()))), np.int32)
+    for b, row in enumerate(rows):
+        block[b, :len(row)] = row
+    return block, lengths
+
+
+def _advanced(to: kv.CacheMark, count: np.ndarray) -> kv.CacheMark:
+    """The mark `count` [B] tokens after `to` (valid once those tokens are written)."""
+    count = jnp.asarray(count, jnp.int32)
+    return kv.CacheMark(tuple(lengths + count[:, None] for lengths in to.lengths), to.next_position + count)
+
+
+def answer(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], max_new_tokens: int,
+           stop_tokens) -> tuple[Answers, kv.KVCache]:
+    """Greedy answers to one suffix per row. Returns (answers, the cache as it was). The cache is donated."""
+    before = kv.mark(cache)
+    logits, cache = gen.prefill(params, cfg, suffixes, cache)
+    tokens, cache = gen.decode(params, cfg, logits, cache, max_new_tokens, stop_tokens=stop_tokens)
+    return Answers(tokens), kv.rewind(cache, before)
+
+
+def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], forced: list[list[int]],
+                  max_new_tokens: int, stop_tokens) -> tuple[Answers, kv.KVCache]:
+    """Teacher-forced logits over `forced` answers (one per row, e.g. the full cache's) and greedy answers, from
+    one forward of [suffix | forced answer] per row (max_new_tokens 0: logits only). Returns (answers, the cache
+    as it was). Donates the cache."""
+    before = kv.mark(cache)
+    suffix_len = np.array([len(s) for s in suffixes], np.int32)  # [B]
+    answer_len = np.array([len(a) for a in forced], np.int32)  # [B]
+    if np.any(answer_len < 1):
+        raise ValueError("every forced answer needs at least one token")
+    block, lengths = pad_rows([np.concatenate([s, np.asarray(a, np.int32)]) for s, a in zip(suffixes, forced)])
+    if np.any(lengths > np.asarray(cache.room())):
+        raise ValueError("question and answer exceed the cache's room")
+    logits, cache = gen.forward_step(params, jnp.asarray(block), jnp.asarray(lengths), cache, cfg, logits="all")
+    # Position suffix_len - 1 + a predicts answer token a.
+    A = int(answer_len.max())
+    index = np.minimum(suffix_len[:, None] - 1 + np.arange(A)[None, :], block.shape[1] - 1)  # [B, A]
+    forced_logits = jnp.take_along_axis(logits, jnp.asarray(index)[..., None], axis=1)  # [B, A, V]
+    valid = np.arange(A)[None, :] < answer_len[:, None]  # [B, A]
+    first = forced_logits[:, 0]  # [B, V]: the logits after the suffix, where decoding starts
+    tokens = [[] for _ in suffixes]
+    if max_new_tokens > 0:
+        cache = kv.rewind(cache, _advanced(before, suffix_len))
+        tokens, cache = gen.decode(params, cfg, first, cache, max_new_tokens, stop_tokens=stop_tokens)
+    return Answers(tokens, forced_logits, valid), kv.rewind(cache, before)
+
+
+def copy_cache(cache: kv.KVCache) -> kv.KVCache:
+    """A copy safe to donate (masked caches share their key/value arrays with the cache they mask)."""
+    return jax.tree.map(jnp.copy, cache)
