@@ -1,0 +1,282 @@
+"""Baselines (H2O, SnapKV, PyramidKV, StreamingLLM, random) against numpy oracles on tiny random models, and their
+budget rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvzip_jax import baselines
+from kvzip_jax import generate as gen
+from kvzip_jax.baselines.h2o import H2OObserver, h2o_scores
+from kvzip_jax.baselines.observe import observe_span
+from kvzip_jax.baselines.pyramidkv import pyramid_budgets
+from kvzip_jax.baselines.snapkv import snapkv_scores, window_sizes
+from kvzip_jax.baselines.streaming import streaming_scores
+from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.kvzip.eviction import RatioError, keep_mask
+from kvzip_jax.models.params import init_params
+from tests.test_kvzip_score import numpy_queries_and_keys
+
+
+def tiny_config(num_kv_heads: int, qkv_bias: bool = False, max_position: int = 1024) -> ModelConfig:
+    return ModelConfig(architecture="qwen2" if qkv_bias else "llama", vocab_size=101, hidden_size=48, num_layers=2,
+                       num_heads=6, num_kv_heads=num_kv_heads, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
+                       max_position=max_position, rope=RopeSpec(theta=1000.0), qkv_bias=qkv_bias)
+
+
+def oracle_probs(params, cfg, sequence):
+    """Per layer, the causal softmax weights [N, T, T] (query, key) of one float64 pass over sequence [T]."""
+    T, G = len(sequence), cfg.group_size
+    out = []
+    for q, k, _, _ in numpy_queries_and_keys(params, cfg, sequence):
+        logits = np.einsum("tnh,snh->nts", q, k[:, np.arange(cfg.num_heads) // G]) * cfg.head_dim**-0.5
+        logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        out.append(probs / probs.sum(-1, keepdims=True))
+    return out
+
+
+def group_max(x, cfg):
+    """[N, n] per query head -> [K, n] max over each KV head's group."""
+    return x.reshape(cfg.num_kv_heads, cfg.group_size, -1).max(axis=1)
+
+
+def oracle_h2o(params, cfg, prefix, context, question):
+    """[L, K, n]: max weight from any context or question row and any head of the group."""
+    P, n = len(prefix), len(context)
+    return np.stack([group_max(probs[:, P:, P:P + n].max(axis=1), cfg)
+                     for probs in oracle_probs(params, cfg, np.concatenate([prefix, context, question]))])
+
+
+def oracle_snapkv(params, cfg, prefix, context, question, kernel=7):
+    """[L, K, n]: per query head, the last w rows' summed weights, max-pooled over the context columns before the
+    window, then the max over the group; the window's context columns +inf."""
+    P, n, q = len(prefix), len(context), len(question)
+    T = P + n + q
+    w = 16 if n < 1024 else 32
+    first = n + q - w  # first context column inside the window
+    columns = np.arange(n)
+    before = columns < min(first, n)
+    out = []
+    for probs in oracle_probs(params, cfg, np.concatenate([prefix, context, question])):
+        sums = probs[:, max(T - w, P):, P:P + n].sum(axis=1)  # [N, n]
+        x = np.pad(np.where(before, sums, -np.inf), ((0, 0), (kernel // 2, kernel // 2)), constant_values=-np.inf)
+        pooled = np.stack([x[:, j:j + kernel].max(axis=1) for j in range(n)], axis=1)  # [N, n]
+        scores = np.where(before, group_max(pooled, cfg), -np.inf)
+        out.append(np.where(columns >= first, np.inf, scores))
+    return np.stack(out)
+
+
+def make_batch(cfg, prefix_lens, context_lens, question_lens, capacity, seed=0):
+    """Two rows of [prefix | context] prefilled; context and question tokens right-padded with junk tokens."""
+    params = init_params(cfg, seed=1, scale=0.15)
+    rng = np.random.default_rng(seed)
+    draw = lambda size: rng.integers(0, cfg.vocab_size, size).astype(np.int32)
+    prefixes, contexts, questions = map(lambda lens: [draw(m) for m in lens],
+                                        (prefix_lens, context_lens, question_lens))
+    _, cache = gen.prefill(params, cfg, [np.concatenate(pc) for pc in zip(prefixes, contexts)], capacity=capacity)
+    pad = lambda rows: np.stack([np.concatenate([r, draw(max(map(len, rows)) - len(r))]) for r in rows])
+    lengths = lambda lens: jnp.asarray(lens, jnp.int32)
+    return dict(params=params, cache=cache, prefixes=prefixes, contexts=contexts, questions=questions,
+                prefix_len=lengths(prefix_lens), context_len=lengths(context_lens),
+                context_tokens=jnp.asarray(pad(contexts)), question=(jnp.asarray(pad(questions)),
+                                                                     lengths(question_lens)))
+
+
+def check_against_oracle(ours, oracle, batch, with_question, atol=1e-5):
+    ours = np.asarray(ours)
+    for b, (prefix, context, question) in enumerate(zip(batch["prefixes"], batch["contexts"], batch["questions"])):
+        n = len(context)
+        expected = oracle(prefix, context, question if with_question else question[:0])
+        np.testing.assert_allclose(ours[:, b, :, :n], expected, atol=atol, rtol=0)
+        assert np.all(np.isneginf(ours[:, b, :, n:]))
+
+
+@pytest.mark.parametrize("num_kv_heads, qkv_bias", [(2, False), (6, True)])  # GQA group 3; no GQA
+@pytest.mark.parametrize("with_question", [False, True])
+def test_h2o_and_snapkv_equal_the_numpy_oracle(num_kv_heads, qkv_bias, with_question):
+    # Questions of 5 and 20 tokens: row 0's window straddles context and question, row 1's lies in the question.
+    # Capacity 64 < 7 + 40 + 20: the question's last keys have no cache slot (dropped).
+    cfg = tiny_config(num_kv_heads, qkv_bias)
+    batch = make_batch(cfg, [4, 7], [23, 40], [5, 20], capacity=64)
+    args = (batch["params"], cfg, batch["cache"], batch["prefix_len"], batch["context_len"], batch["context_tokens"],
+            batch["question"] if with_question else None)
+    h2o = jax.jit(h2o_scores, static_argnames="chunk")(*args, chunk=16)  # three chunks; row 0's last one empty
+    oracle = lambda p, c, q: oracle_h2o(batch["params"], cfg, p, c, q)
+    check_against_oracle(h2o, oracle, batch, with_question)
+    np.testing.assert_allclose(np.asarray(jax.jit(h2o_scores)(*args)), np.asarray(h2o), atol=1e-5)  # one chunk
+    snap = jax.jit(snapkv_scores)(*args)
+    oracle = lambda p, c, q: oracle_snapkv(batch["params"], cfg, p, c, q)
+    check_against_oracle(snap, oracle, batch, with_question)
+    pyramid = jax.jit(baselines.baseline_scores, static_argnums=0)("pyramidkv", *args)
+    np.testing.assert_allclose(np.asarray(pyramid), np.asarray(snap), atol=1e-5)
+
+
+def test_windows_of_32_above_1024_context_tokens():
+    """Rows of 1,100 and 900 context tokens in one batch: windows of 32 and 16; H2O over three chunks. The model's
+    float32 RoPE angles past position 1,000 already move its queries by ~4e-5 from the float64 oracle's, hence
+    the wider tolerance (a window of 16 instead of 32 would be off by far more)."""
+    cfg = tiny_config(2, max_position=2048)
+    batch = make_batch(cfg, [3, 5], [1100, 900], [6, 40], capacity=1152)
+    args = (batch["params"], cfg, batch["cache"], batch["prefix_len"], batch["context_len"], batch["context_tokens"],
+            batch["question"])
+    oracle = lambda p, c, q: oracle_snapkv(batch["params"], cfg, p, c, q)
+    check_against_oracle(jax.jit(snapkv_scores)(*args), oracle, batch, True, atol=1e-4)
+    oracle = lambda p, c, q: oracle_h2o(batch["params"], cfg, p, c, q)
+    check_against_oracle(jax.jit(h2o_scores)(*args), oracle, batch, True, atol=1e-4)
+
+
+def test_window_sizes():
+    np.testing.assert_array_equal(window_sizes(jnp.array([5, 1023, 1024, 5000])), [16, 16, 32, 32])
+    np.testing.assert_array_equal(window_sizes(jnp.array([5, 5000]), window=8), [8, 8])
+
+
+def test_observe_span_leaves_the_cache_unchanged():
+    cfg = tiny_config(2)
+    batch = make_batch(cfg, [4, 7], [23, 40], [5, 20], capacity=64)
+    cache = batch["cache"]
+    before = [np.array(x) for x in jax.tree.leaves(cache)]
+    tokens, start, num_valid = batch["context_tokens"][:, 10:20], batch["prefix_len"] + 10, jnp.array([10, 10])
+    for run in (observe_span, jax.jit(observe_span)):
+        observed = run(batch["params"], cfg, cache, tokens, start, num_valid, H2OObserver(num_valid))
+        assert len(observed) == cfg.num_layers and observed[0].shape == (2, cfg.num_kv_heads, 64)
+        for x, y in zip(before, jax.tree.leaves(cache)):
+            assert not y.is_deleted()
+            np.testing.assert_array_equal(x, np.asarray(y))
+
+
+@settings(max_examples=40, deadline=None)
+@given(percent=st.integers(1, 100), num_layers=st.integers(1, 6), num_kv_heads=st.integers(1, 4),
+       lengths=st.lists(st.integers(1, 300), min_size=2, max_size=2))
+def test_pyramid_budgets(percent, num_layers, num_kv_heads, lengths):
+    L, K = num_layers, num_kv_heads
+    counts = np.asarray(pyramid_budgets(percent / 100, jnp.asarray(lengths), L, K))
+    assert counts.shape == (L, 2) and counts.dtype == np.int32
+    for b, n in enumerate(lengths):
+        column = counts[:, b]
+        assert np.all(np.diff(column) <= 0) and np.all(column >= 0) and np.all(column <= K * n)
+        assert column.sum() == L * K * n * percent // 100
+        avg = percent / 100 * K * n
+        top = avg * (2 - 1 / 20)
+        if top <= K * n and L > 1:  # no cap binds: PyramidKV's line, up to rounding
+            ideal = top - np.arange(L) * (top - avg / 20) / (L - 1)
+            assert np.abs(column - ideal).max() <= 1 + 1 / L + 1e-3
+
+
+def test_pyramid_budgets_jit_with_a_traced_ratio_and_caps():
+    lengths = jnp.array([10, 333])
+    jitted = jax.jit(pyramid_budgets, static_argnums=(2, 3))(jnp.float32(0.8), lengths, 5, 2)
+    eager = pyramid_budgets(0.8, lengths, 5, 2)
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
+    assert np.asarray(eager)[0].tolist() == [20, 666]  # 0.8 x 1.95 > 1: the first layers are capped
+    np.testing.assert_array_equal(np.asarray(pyramid_budgets(1.0, lengths, 5, 2)), [[20, 666]] * 5)
+
+
+L, B, K, N = 3, 2, 2, 17
+CONTEXT = np.array([N, 9], np.int32)
+
+
+def test_keep_by_layer_counts_ties_and_zero():
+    rng = np.random.default_rng(0)
+    scores = jnp.asarray(rng.random((L, B, K, N)), jnp.float32)
+    counts = np.array([[0, 3], [34, 18], [40, 7]], np.int32)  # 0, the whole context, more than the whole context
+    keep = np.asarray(baselines.keep_by_layer(scores, jnp.asarray(CONTEXT), jnp.asarray(counts)))
+    for b, c in enumerate(CONTEXT):
+        assert not keep[:, b, :, c:].any()
+        np.testing.assert_array_equal(keep[:, b].sum((-1, -2)), np.minimum(counts[:, b], K * c))
+    tied = np.asarray(baselines.keep_by_layer(jnp.full((L, B, K, N), 0.5), jnp.asarray(CONTEXT),
+                                              jnp.full((L, B), 12, jnp.int32)))
+    expected = np.zeros((K, N), bool)  # ties by lower index: head 0's context first, then head 1's
+    expected[0, :9], expected[1, :3] = True, True
+    np.testing.assert_array_equal(tied[:, 1], np.broadcast_to(expected, (L, K, N)))
+
+
+def test_keep_by_layer_keeps_the_best_pairs():
+    rng = np.random.default_rng(1)
+    scores = rng.random((L, B, K, N)).astype(np.float32)
+    keep = np.asarray(baselines.keep_by_layer(jnp.asarray(scores), jnp.asarray(CONTEXT), jnp.full((L, B), 5)))
+    for layer in range(L):
+        for b, c in enumerate(CONTEXT):
+            candidates = scores[layer, b, :, :c]
+            chosen = keep[layer, b, :, :c]
+            assert candidates[chosen].min() > candidates[~chosen].max()
+
+
+def expected_total(method, c, percent, evicted_layers=L):
+    if method in ("kvzip", "pyramidkv"):
+        return evicted_layers * K * c * percent // 100
+    if method == "streamingllm":
+        return evicted_layers * K * (c * percent // 100)
+    return evicted_layers * (K * c * percent // 100)
+
+
+@pytest.mark.parametrize("method", baselines.METHODS)
+def test_keep_for_budgets_and_jit(method):
+    scores = jnp.asarray(np.random.default_rng(2).random((L, B, K, N)), jnp.float32)
+    context_len = jnp.asarray(CONTEXT)
+    eager = np.asarray(baselines.keep_for(method, scores, context_len, 0.3))
+    jitted = jax.jit(baselines.keep_for, static_argnames=("method", "evictable"))(
+        scores=scores, context_len=context_len, ratio=jnp.float32(0.3), method=method)
+    np.testing.assert_array_equal(eager, np.asarray(jitted))
+    for b, c in enumerate(CONTEXT):
+        assert not eager[:, b, :, c:].any()
+        assert eager[:, b].sum() == expected_total(method, c, 30)
+    if method in ("h2o", "snapkv", "random"):
+        np.testing.assert_array_equal(eager, np.asarray(keep_mask(scores, context_len, 0.3, "layer")))
+    if method == "pyramidkv":
+        counts = np.asarray(pyramid_budgets(0.3, context_len, L, K))
+        np.testing.assert_array_equal(eager.sum((2, 3)), counts)
+    partial = np.asarray(baselines.keep_for(method, scores, context_len, 0.3, evictable=(1,)))
+    for b, c in enumerate(CONTEXT):
+        assert partial[[0, 2], b, :, :c].all() and not partial[:, b, :, c:].any()
+        assert partial[1, b].sum() == expected_total(method, c, 30, evicted_layers=1)
+    with pytest.raises(RatioError):
+        baselines.keep_for(method, scores, context_len, 1.5)
+
+
+@pytest.mark.parametrize("percent", [10, 30, 80])
+def test_streaming_keeps_sinks_and_the_most_recent(percent):
+    context_len = jnp.asarray(CONTEXT)
+    scores = streaming_scores(context_len, L, K, N)
+    keep = np.asarray(baselines.keep_for("streamingllm", scores, context_len, percent / 100))
+    for b, c in enumerate(CONTEXT):
+        count = c * percent // 100
+        expected = set(range(min(count, 4))) | set(range(c - max(count - 4, 0), c))
+        for layer in range(L):
+            for head in range(K):
+                assert set(np.flatnonzero(keep[layer, b, head])) == expected
+
+
+def test_random_scores_are_deterministic_per_key():
+    cfg = tiny_config(2)
+    context_len = jnp.asarray(CONTEXT)
+    tokens = jnp.zeros((B, N), jnp.int32)
+    score = lambda key: np.asarray(baselines.baseline_scores("random", None, cfg, None, None, context_len, tokens,
+                                                             key=key))
+    first, again, other = score(jax.random.key(0)), score(jax.random.key(0)), score(jax.random.key(1))
+    np.testing.assert_array_equal(first, again)
+    assert first.shape == (cfg.num_layers, B, cfg.num_kv_heads, N)
+    assert not np.array_equal(first, other)
+    assert np.all(np.isneginf(first[:, 1, :, 9:])) and np.all((first[:, 1, :, :9] >= 0) & (first[:, 1, :, :9] < 1))
+    with pytest.raises(ValueError, match="PRNG key"):
+        baselines.baseline_scores("random", None, cfg, None, None, context_len, tokens)
+
+
+@pytest.mark.parametrize("method", ["kvzip", "nope"])
+def test_unknown_methods_are_refused(method):
+    cfg = tiny_config(2)
+    with pytest.raises(ValueError, match="h2o"):
+        baselines.baseline_scores(method, None, cfg, None, None, jnp.asarray(CONTEXT), jnp.zeros((B, N), jnp.int32))
+    if method == "nope":
+        with pytest.raises(ValueError, match="streamingllm"):
+            baselines.keep_for(method, jnp.zeros((L, B, K, N)), jnp.asarray(CONTEXT), 0.3)
+
+
+def test_streaming_scores_dispatch():
+    cfg = tiny_config(2)
+    context_len = jnp.asarray(CONTEXT)
+    scores = baselines.baseline_scores("streamingllm", None, cfg, None, None, context_len, jnp.zeros((B, N)))
+    np.testing.assert_array_equal(np.asarray(scores), np.asarray(streaming_scores(context_len, cfg.num_layers, K, N)))
