@@ -263,6 +263,15 @@ def test_random_scores_are_deterministic_per_key():
     assert np.all(np.isneginf(first[:, 1, :, 9:])) and np.all((first[:, 1, :, :9] >= 0) & (first[:, 1, :, :9] < 1))
     with pytest.raises(ValueError, match="PRNG key"):
         baselines.baseline_scores("random", None, cfg, None, None, context_len, tokens)
+    # one key per row: a row's scores follow its own key, whatever the other rows
+    rows = jnp.stack([jax.random.key(5), jax.random.key(6)])
+    swapped = jnp.stack([jax.random.key(7), jax.random.key(5)])
+    per_row, other_rows = score(rows), score(swapped)
+    np.testing.assert_array_equal(per_row[:, 0, :, :9], other_rows[:, 1, :, :9])
+    assert not np.array_equal(per_row[:, 0], per_row[:, 1])
+    wider = np.asarray(baselines.baseline_scores("random", None, cfg, None, None, context_len,
+                                                 jnp.zeros((B, N + 5), jnp.int32), key=rows))
+    np.testing.assert_array_equal(wider[..., :N], per_row)  # independent of the padded width
 
 
 @pytest.mark.parametrize("method", ["kvzip", "nope"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -206,7 +207,13 @@ class Sweep:
             block, q_len = answering.pad_rows(batch.question_rows(observed))
             question = (jnp.asarray(block), jnp.asarray(q_len))
         return _baseline_scores(method, self.params, self.model.cfg, cache, *lengths, jnp.asarray(context_tokens),
-                                question=question, key=jax.random.key(self.config.seed))
+                                question=question, key=self._row_keys(batch))
+
+    def _row_keys(self, batch: Batch) -> jax.Array:
+        """One PRNG key per row from the seed and the example id: random scores independent of the batching."""
+        ids = [ex.id for ex in batch.examples] + [batch.examples[-1].id] * (batch.size - len(batch.examples))
+        seed = jax.random.key(self.config.seed)
+        return jnp.stack([jax.random.fold_in(seed, zlib.crc32(i.encode())) for i in ids])
 
     def _full_answers(self, batch: Batch, cache: kv.KVCache) -> dict[int, dict]:
         """Per question: greedy answers of the full cache and its teacher-forced logits over them."""
