@@ -19,6 +19,7 @@ Errors kvzip-jax raises on purpose (kvzip_jax.errors) print as one line and exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -312,8 +313,14 @@ def _eval(args: argparse.Namespace) -> int:
     unknown = sorted(set(names) - set(tasks.TASKS))
     if unknown:
         args.subparser.error(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}")
+    if args.questions_per_context is not None and args.questions_per_context < 1:
+        args.subparser.error("--questions-per-context must be >= 1")
     examples = [ex for path in args.jsonl or [] for ex in tasks.load_jsonl(path)]
     examples += [ex for name in names for ex in tasks.generate(name, args.contexts, args.seed, args.context_tokens)]
+    if args.questions_per_context is not None:
+        keep = args.questions_per_context
+        examples = [dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep])
+                    for ex in examples]
 
     model = registry.load(args.model)
     out = Path(args.out or Path("runs") / model.name)
@@ -342,6 +349,8 @@ def _add_eval(subparsers) -> None:
                         help="SCBench-style records {context, queries, answers} (repeatable)")
     parser.add_argument("--contexts", type=int, default=20, help="generated contexts per task")
     parser.add_argument("--context-tokens", type=int, default=1000, help="approximate size of generated contexts")
+    parser.add_argument("--questions-per-context", type=int, metavar="N", help="ask only the first N questions "
+                        "of each context (default all)")
     parser.add_argument("--modes", default="reuse", help="reuse (compress once, no question), first (compress "
                         "with the first question, reuse), oracle (recompress per question); query-aware methods")
     parser.add_argument("--batch-size", type=int, default=8, help="contexts per jitted batch")
