@@ -119,3 +119,35 @@ def test_head_scores_then_compress_at_the_head_level_from_stdin(capsys, monkeypa
     out = capsys.readouterr().out
     assert "from saved head scores, no scoring pass" in out and "questions from stdin" in out
     assert out.count("\nA: ") == 1 and f"Q: {QUESTION}\nA: " in out
+
+
+def test_eval_sweeps_writes_the_report_and_resumes(capsys, smollm2, tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps({"context": CONTEXT, "queries": [QUESTION, "Which crate held the backup drill?"],
+                                   "answers": ["Ingrid Solberg", "K-4471"], "max_new_tokens": 10}) + "\n")
+    out = tmp_path / "run"
+    argv = ["eval", "--model", str(smollm2), "--tasks", "passkey", "--contexts", "2", "--context-tokens", "120",
+            "--questions-per-context", "2", "--jsonl", str(records), "--methods", "kvzip,snapkv,streamingllm",
+            "--ratios", "1,0.3", "--batch-size", "2", "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    lines = (out / "results.jsonl").read_text().splitlines()
+    # 3 contexts x 2 questions x (full + 3 methods x 2 ratios)
+    assert len(lines) == 3 * 2 * (1 + 3 * 2)
+    assert {json.loads(line)["task"] for line in lines} == {"passkey", "records"}
+    for name in ("summary.md", "summary.csv", "scores.png"):
+        assert (out / name).stat().st_size > 0
+    assert "| passkey | kvzip | reuse |" in printed and "| records | snapkv | reuse |" in printed
+    assert cli.main(argv) == 0  # a finished sweep: nothing redone, nothing appended
+    assert (out / "results.jsonl").read_text().splitlines() == lines
+
+
+@pytest.mark.parametrize("flag, value, fragment", [
+    ("--methods", "kvzip,magic", "unknown method"), ("--ratios", "0.5,1.5", "ratio"),
+    ("--tasks", "haystacks", "unknown task"), ("--modes", "sometimes", "modes"), ("--ratios", "half", "--ratios")])
+def test_eval_refuses_bad_choices_before_loading_the_model(capsys, monkeypatch, flag, value, fragment):
+    monkeypatch.setattr(registry, "load", lambda name: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", "--model", registry.SMOLLM2, flag, value])
+    assert exit_info.value.code == cli.EXIT_USER_ERROR
+    assert fragment in capsys.readouterr().err

@@ -31,9 +31,9 @@ class Answers:
 
 
 def pad_rows(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Right-padded [B, W] block (W a bucketed width) and the row lengths [B]."""
+    """Right-padded [B, W] block (W the longest row rounded up to 16) and the row lengths [B]."""
     lengths = np.array([len(r) for r in rows], np.int32)
-    block = np.zeros((len(rows), gen.bucket(int(lengths.max()))), np.int32)
+    block = np.zeros((len(rows), -(-int(lengths.max()) // 16) * 16), np.int32)
     for b, row in enumerate(rows):
         block[b, :len(row)] = row
     return block, lengths
@@ -56,9 +56,14 @@ def answer(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], max_new_t
 
 def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], forced: list[list[int]],
                   max_new_tokens: int, stop_tokens) -> tuple[Answers, kv.KVCache]:
-    """Teacher-forced logits over `forced` answers (one per row, e.g. the full cache's) and greedy answers, from
-    one forward of [suffix | forced answer] per row (max_new_tokens 0: logits only). Returns (answers, the cache
-    as it was). Donates the cache."""
+    """Teacher-forced logits over `forced` answers (one per row, e.g. the full cache's greedy answers) and this
+    cache's own greedy answers, from one forward of [suffix | forced
+    answer] per row (max_new_tokens 0: logits only). Returns (answers, the cache as it was). Donates the cache.
+
+    Greedy decoding follows the forced answer for as long as the forced logits' argmax agrees with it; so a row's
+    greedy answer is the forced answer up to the first disagreement, and only from there on is it decoded. Rows
+    that agree with a whole forced answer ending in a stop token (or as long as max_new_tokens) are not decoded.
+    """
     before = kv.mark(cache)
     suffix_len = np.array([len(s) for s in suffixes], np.int32)  # [B]
     answer_len = np.array([len(a) for a in forced], np.int32)  # [B]
@@ -68,16 +73,37 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
     if np.any(lengths > np.asarray(cache.room())):
         raise ValueError("question and answer exceed the cache's room")
     logits, cache = gen.forward_step(params, jnp.asarray(block), jnp.asarray(lengths), cache, cfg, logits="all")
-    # Position suffix_len - 1 + a predicts answer token a.
+    # Position suffix_len - 1 + a predicts answer token a; a = answer_len predicts what follows the forced answer.
     A = int(answer_len.max())
-    index = np.minimum(suffix_len[:, None] - 1 + np.arange(A)[None, :], block.shape[1] - 1)  # [B, A]
-    forced_logits = jnp.take_along_axis(logits, jnp.asarray(index)[..., None], axis=1)  # [B, A, V]
+    index = np.minimum(suffix_len[:, None] - 1 + np.arange(A + 1)[None, :], block.shape[1] - 1)  # [B, A + 1]
+    next_logits = jnp.take_along_axis(logits, jnp.asarray(index)[..., None], axis=1)  # [B, A + 1, V]
+    forced_logits = next_logits[:, :A]  # [B, A, V]
     valid = np.arange(A)[None, :] < answer_len[:, None]  # [B, A]
-    first = forced_logits[:, 0]  # [B, V]: the logits after the suffix, where decoding starts
-    tokens = [[] for _ in suffixes]
-    if max_new_tokens > 0:
-        cache = kv.rewind(cache, _advanced(before, suffix_len))
-        tokens, cache = gen.decode(params, cfg, first, cache, max_new_tokens, stop_tokens=stop_tokens)
+    if max_new_tokens == 0:
+        return Answers([[] for _ in suffixes], forced_logits, valid), kv.rewind(cache, before)
+
+    forced_ids = np.full((len(forced), A), -1, np.int32)  # [B, A]
+    for b, a in enumerate(forced):
+        forced_ids[b, :len(a)] = a
+    differs = (np.asarray(jnp.argmax(forced_logits, axis=-1)) != forced_ids) & valid  # [B, A]
+    first = np.where(differs.any(axis=1), differs.argmax(axis=1), answer_len)  # [B] first disagreement
+    first = np.minimum(first, max_new_tokens)
+    ends_in_stop = np.array([a[-1] in stop_tokens for a in forced])
+    finished = (first == max_new_tokens) | ((first == answer_len) & ends_in_stop)  # greedy = forced[:first]
+    tokens = [list(a[:f]) for a, f in zip(forced, first)]
+    if not finished.all():
+        # Unfinished rows resume after forced[:first] (the logits there pick the next token); finished rows are
+        # handed a stop token, so the loop ends as soon as the resumed rows do.
+        at = np.where(finished, answer_len, first)  # [B]
+        start = jnp.take_along_axis(next_logits, jnp.asarray(at)[:, None, None], axis=1)[:, 0]  # [B, V]
+        if stop_tokens:
+            stop = jax.nn.one_hot(stop_tokens[0], start.shape[-1]) * 1e9
+            start = jnp.where(jnp.asarray(finished)[:, None], stop, start)
+        cache = kv.rewind(cache, _advanced(before, suffix_len + at))
+        budget = int((max_new_tokens - first[~finished]).max())
+        rest, cache = gen.decode(params, cfg, start, cache, budget, stop_tokens=stop_tokens)
+        tokens = [t if done else t + r[:max_new_tokens - f]
+                  for t, f, r, done in zip(tokens, first, rest, finished)]
     return Answers(tokens, forced_logits, valid), kv.rewind(cache, before)
 
 
