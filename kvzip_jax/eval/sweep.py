@@ -34,7 +34,7 @@ from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
 
 MODES = ("reuse", "first", "oracle")
 FULL = "full"
-CAPACITY_MULTIPLE = 256
+CAPACITY_MULTIPLE = 64
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,5 +22,5 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     needles = [f"The special magic number for {city} is {number}." for city, number in zip(cities, numbers)]
     sentences = haystack.draw(rng, context_tokens - sum(map(count_tokens, needles)), count_tokens)
     context = haystack.insert_needles(sentences, needles, haystack.spread_depths(rng, NUM_NEEDLES))
-    questions = tuple(f"What is the special magic number for {city}?" for city in cities)
+    questions = tuple(f"What is the special magic number for {city}? Answer with the number only." for city in cities)
     return Example(TASK, example_id, context, questions, tuple((number,) for number in numbers), "inclusion", 32)

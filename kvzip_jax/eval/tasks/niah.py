@@ -26,6 +26,8 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     needle = f"The {place} was founded by {person} in {city} in {year}, and its door code is {code}."
     sentences = haystack.draw(rng, context_tokens - count_tokens(needle), count_tokens)
     context = haystack.insert_needles(sentences, [needle], [float(rng.random())])
-    questions = (f"Who founded the {place}?", f"In which city was the {place} founded?",
-                 f"In which year was the {place} founded?", f"What is the door code of the {place}?")
+    questions = (f"Who founded the {place}? Answer with the name only.",
+                 f"In which city was the {place} founded? Answer with the city only.",
+                 f"In which year was the {place} founded? Answer with the year only.",
+                 f"What is the door code of the {place}? Answer with the code only.")
     return Example(TASK, example_id, context, questions, ((person,), (city,), (year,), (code,)), "inclusion", 32)

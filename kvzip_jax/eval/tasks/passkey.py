@@ -22,5 +22,5 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     needles = [f"The pass key for the {colour} door is {key}." for colour, key in zip(colours, keys)]
     sentences = haystack.draw(rng, context_tokens - sum(map(count_tokens, needles)), count_tokens)
     context = haystack.insert_needles(sentences, needles, haystack.spread_depths(rng, NUM_KEYS))
-    questions = tuple(f"What is the pass key for the {colour} door?" for colour in colours)
+    questions = tuple(f"What is the pass key for the {colour} door? Answer with the number only." for colour in colours)
     return Example(TASK, example_id, context, questions, tuple((key,) for key in keys), "inclusion", 16)

@@ -55,7 +55,7 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
         strings[decoys[2 * k + 1]] = random_line(rng)[:-AFFIX_LENGTH] + suffix
     asked = set(map(affixes, targets))
     kept = [s for i, s in enumerate(strings) if i in positions or affixes(s) not in asked]
-    questions = tuple(f'Which string in the list starts with "{prefix}" and ends with "{suffix}"?'
-                      for prefix, suffix in map(affixes, targets))
+    questions = tuple(f'Which string in the list starts with "{prefix}" and ends with "{suffix}"? Answer with the '
+                      'string only.' for prefix, suffix in map(affixes, targets))
     return Example(TASK, example_id, "\n".join(kept), questions, tuple((target,) for target in targets),
                    "inclusion", 32)
