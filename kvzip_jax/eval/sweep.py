@@ -156,8 +156,7 @@ class Sweep:
 
     # -- running ------------------------------------------------------------------------------------------------
     def run(self, batch: Batch, capacity: int) -> None:
-        configs = [c for c in self.configurations() if self.pending(batch, *c)]
-        if not configs:
+        if not any(self.pending(batch, *c) for c in self.configurations()):
             return
         cfg = self.model.cfg
         prefix_len = np.array([c.context_start for c in batch.contexts], np.int32)  # [B]
@@ -200,7 +199,8 @@ class Sweep:
     def _scores(self, method, cache, batch, lengths, context_rows, context_tokens, observed):
         """[L, B, K, n] scores of one method; observed: the question index in view (None: no question)."""
         if method == "kvzip":
-            reread = kvzip.reread_inputs(self.model.tokenizer, np.asarray(lengths[0]), context_rows, self.config.chunk_size)
+            reread = kvzip.reread_inputs(self.model.tokenizer, np.asarray(lengths[0]), context_rows,
+                                         self.config.chunk_size)
             return _kvzip_scores(self.params, self.model.cfg, cache, reread)
         question = None
         if observed is not None:
