@@ -137,3 +137,12 @@ def insert_needles(haystack: Sequence[str], needles: Sequence[str], depths: Sequ
         parts.append(sentence)
     parts.extend(boundaries[-1])
     return " ".join(parts)
+
+
+def plant(rng: np.random.Generator, needles: Sequence[str], context_tokens: int,
+          count_tokens: Callable[[str], int] = approx_tokens) -> str:
+    """A context of about context_tokens tokens: a drawn haystack with the needle sentences at spread depths (one
+    per stratum, in the given order)."""
+    sentences = draw(rng, context_tokens - sum(map(count_tokens, needles)), count_tokens)
+    return insert_needles(sentences, needles, spread_depths(rng, len(needles)))
+

@@ -20,7 +20,6 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     cities = words.pick(rng, words.CITIES, NUM_NEEDLES)
     numbers = [str(number) for number in words.distinct_numbers(rng, 7, NUM_NEEDLES)]
     needles = [f"The special magic number for {city} is {number}." for city, number in zip(cities, numbers)]
-    sentences = haystack.draw(rng, context_tokens - sum(map(count_tokens, needles)), count_tokens)
-    context = haystack.insert_needles(sentences, needles, haystack.spread_depths(rng, NUM_NEEDLES))
+    context = haystack.plant(rng, needles, context_tokens, count_tokens)
     questions = tuple(f"What is the special magic number for {city}? Answer with the number only." for city in cities)
     return Example(TASK, example_id, context, questions, tuple((number,) for number in numbers), "inclusion", 32)

@@ -20,7 +20,6 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     colours = words.pick(rng, words.COLOURS, NUM_KEYS)
     keys = [str(key) for key in words.distinct_numbers(rng, 5, NUM_KEYS)]
     needles = [f"The pass key for the {colour} door is {key}." for colour, key in zip(colours, keys)]
-    sentences = haystack.draw(rng, context_tokens - sum(map(count_tokens, needles)), count_tokens)
-    context = haystack.insert_needles(sentences, needles, haystack.spread_depths(rng, NUM_KEYS))
+    context = haystack.plant(rng, needles, context_tokens, count_tokens)
     questions = tuple(f"What is the pass key for the {colour} door? Answer with the number only." for colour in colours)
     return Example(TASK, example_id, context, questions, tuple((key,) for key in keys), "inclusion", 16)

@@ -42,8 +42,7 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     pending = [chain_statements(chain, value) for chain, value in zip(chains, values)]
     order = rng.permutation(np.repeat(np.arange(NUM_CHAINS), lengths))
     statements = [pending[chain].pop(0) for chain in order]
-    sentences = haystack.draw(rng, context_tokens - sum(map(count_tokens, statements)), count_tokens)
-    context = haystack.insert_needles(sentences, statements, haystack.spread_depths(rng, len(statements)))
+    context = haystack.plant(rng, statements, context_tokens, count_tokens)
     questions = tuple(f"Find all variables that are assigned the value {value} in the text above. Answer with the "
                       "variable names only, separated by commas." for value in values)
     return Example(TASK, example_id, context, questions, tuple(tuple(chain) for chain in chains), "all", 32)
