@@ -1,7 +1,10 @@
 """Grouped-query attention of new tokens over [the cache as it was | the new tokens themselves].
 
-The cache part is read from the cache before this step's write, so a caller that drops the returned cache (the
-KVzip reread) never pays for the write. Three forms give the same result:
+Two orders give the same result. Observed passes (the KVzip reread, baselines) read the cache before this step's
+write and pass the new keys separately, so a caller that drops the returned cache never pays for the write.
+Plain passes (prefill, decode) write first and attend over the written cache with k_new = None: XLA then updates
+a donated cache in place, where reading the old cache and writing a new one copies every layer's K and V at
+every step. Three forms:
   dense_attention    materialises scores over all keys; for observers that read them
   blocked_attention  online softmax over key blocks of a dense cache [B, K, C, H]
   ragged_attention   online softmax over a flat per-layer store [B, S, H] of per-head segments (ragged caches)
@@ -171,7 +174,7 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
     """dense_attention's output without materialising scores over the cache.
 
     q [B, T, K, G, H]; k, v [B, K, C, H] the cache before this step; filled [B, K] its slots in use; k_new, v_new
-    [B, K, T, H]; query_slots [B, K, T]; key_keep [B, K, C] (masked caches) or None. Loops over cache blocks of
+    [B, K, T, H], or None when the cache already holds them (written first); query_slots [B, K, T]; key_keep [B, K, C] (masked caches) or None. Loops over cache blocks of
     `block` slots up to the most filled head only (a dynamic trip count: a short context in a large cache costs
     what its length costs), then over the new keys. Returns (out [B, T, K, G, H], lse, subset_lse [B, K, G, T]):
     the log of each query row's softmax normaliser, over all visible keys and over the visible keys of a subset
@@ -198,14 +201,16 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
 
     last = -(-jnp.max(filled) // block_c)
     state = jax.lax.fori_loop(first, last, visit_cache, _empty_state(B, K, G * T, H))
-    state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, block)
+    if k_new is not None:
+        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, block)
     return _finish(state, q)
 
 
 def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window: int | None, scale: float,
                      block: int) -> jax.Array:
     """blocked_attention's result over a ragged layer: k, v [B, S, H] hold per-head segments that start at
-    offsets [B, K] (multiples of `block`); head k's slot i lives at offsets[:, k] + i; filled [B, K].
+    offsets [B, K] (multiples of `block`); head k's slot i lives at offsets[:, k] + i; filled [B, K]; k_new, v_new
+    as in blocked_attention (None: already written).
 
     Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
     most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
@@ -237,5 +242,7 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     weight = jnp.exp(m_block - jnp.take_along_axis(m_head, owner[:, :, None], axis=1))  # [B, N, M]
     l_head = jnp.einsum("BNK,BNM->BKM", one_hot, l_block * weight)
     acc_head = jnp.einsum("BNK,BNMH->BKMH", one_hot, acc_block * weight[..., None])
-    state = _visit_new_keys((m_head, l_head, acc_head, l_head), qm, k_new, v_new, filled, query_slots, window, 256)
+    state = (m_head, l_head, acc_head, l_head)
+    if k_new is not None:
+        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window, 256)
     return _finish(state, q)

@@ -61,8 +61,12 @@ class Block(nn.Module):
         q = q.reshape(B, T, K, G, H)
         o_proj = p("o")  # [N H, D]
         window = cfg.window_for(i)
-        out, observed = self._attend(q, h, layer_cache, k_new, v_new, query_slots, window, o_proj)
-        layer_cache = kv.write(layer_cache, k_new, v_new, num_new)
+        if self.observer is None:  # write first, so XLA updates a donated cache in place (see attention.py)
+            layer_cache = kv.write(layer_cache, k_new, v_new, num_new)
+            out, observed = self._attend_written(q, layer_cache, query_slots, window), None
+        else:
+            out, observed = self._observe(q, h, layer_cache, k_new, v_new, query_slots, window, o_proj)
+            layer_cache = kv.write(layer_cache, k_new, v_new, num_new)
         attn = out.reshape(B, T, N * H) @ o_proj  # [B, T, D]
 
         if cfg.sandwich_norms:
@@ -74,22 +78,27 @@ class Block(nn.Module):
             ffn = layers.rms_norm(ffn, p("post_mlp_norm"), cfg.rms_norm_eps)
         return x + ffn, layer_cache, observed
 
-    def _attend(self, q, h, layer_cache, k_new, v_new, query_slots, window, o_proj):
-        """Attention over [cache before this step | new tokens]; -> (out [B, T, K, G, H], observer output)."""
+    def _attend_written(self, q, layer_cache, query_slots, window):
+        """Attention over a cache that already holds this step's keys -> out [B, T, K, G, H]."""
+        scale, filled = self.cfg.query_scale, layer_cache.lengths
+        if isinstance(layer_cache, kv.RaggedLayerCache):
+            out, _, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, None,
+                                                   None, query_slots, window, scale, layer_cache.block)
+        else:
+            out, _, _ = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, None, None, query_slots,
+                                                    window, scale, layer_cache.keep)
+        return out
+
+    def _observe(self, q, h, layer_cache, k_new, v_new, query_slots, window, o_proj):
+        """Attention over [cache before this step | new tokens], shown to the observer; -> (out, observer output)."""
         cfg = self.cfg
         filled = layer_cache.lengths
         if isinstance(layer_cache, kv.RaggedLayerCache):
-            if self.observer is not None:
-                raise ValueError("observers read dense caches; a ragged cache cannot be observed")
-            out, _, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, k_new,
-                                                v_new, query_slots, window, cfg.query_scale, layer_cache.block)
-            return out, None
+            raise ValueError("observers read dense caches; a ragged cache cannot be observed")
         subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
         out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
                                                            query_slots, window, cfg.query_scale, layer_cache.keep,
                                                            subset=subset)
-        if self.observer is None:
-            return out, None
         # Dense weights for the observer; XLA drops them if it never reads them.
         keys, values, key_slots, mask = attention.dense_keys(layer_cache.k, layer_cache.v, k_new, v_new, filled,
                                                              query_slots, window, layer_cache.keep)
