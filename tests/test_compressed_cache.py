@@ -157,3 +157,21 @@ def test_compressed_cache_serves_questions_independently_without_recompiling(for
     for _ in range(2):
         again, cache = gen.ask(PARAMS, CFG, kv.rewind(cache, before), q2, 6)
         assert again == alone
+
+
+@pytest.mark.parametrize("form", ["full", "masked", "ragged"])
+def test_compiled_decode_and_append_copy_no_cache_array(form):
+    """XLA updates a donated cache in place: the compiled decode loop and append step hold no copy of a K/V array
+    (reading the old cache while writing a new one made every step copy every layer's K and V)."""
+    masked = _masked(keep_mask(SCORES, jnp.array([CONTEXT]), 0.3))
+    cache = {"full": _context_cache(), "masked": masked, "ragged": kv.pack(masked, 16)}[form]
+    logits = jnp.zeros((1, CFG.vocab_size), jnp.float32)
+    stops = jnp.full((gen.MAX_STOP_TOKENS,), -1, jnp.int32)
+    texts = [gen._decode_loop.lower(PARAMS, CFG, logits, cache, jnp.int32(4), stops, gen.Sampling.make(),
+                                    buffer=16).compile().as_text(),
+             gen.forward_step.lower(PARAMS, jnp.asarray(QUESTION)[None], jnp.array([6], jnp.int32), cache,
+                                    CFG).compile().as_text()]
+    kv_shapes = {"f32[" + ",".join(map(str, layer.k.shape)) + "]" for layer in cache.layers}
+    copies = [line.strip() for text in texts for line in text.splitlines()
+              if " copy(" in line and any(f"= {shape}" in line for shape in kv_shapes)]
+    assert kv_shapes and not copies, copies[:4]
