@@ -37,10 +37,12 @@ def capacity_for(num_tokens: int, cfg: ModelConfig) -> int:
     return min(bucket(num_tokens, MIN_CAPACITY), cfg.max_position)
 
 
-def append_tokens(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, logits: str | None = "last"):
-    """tokens [B, T] (the first num_new [B] real) appended at each row's next position. -> (logits, cache)."""
+def append_tokens(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, logits: str | None = "last",
+                  at=None):
+    """tokens [B, T] (the first num_new [B] real) appended at each row's next position. -> (logits, cache).
+    logits and at as in models.transformer.forward."""
     positions = cache.next_position[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, T]
-    out, cache, _ = forward(params, tokens, positions, cache, cfg, num_new=num_new, logits=logits)
+    out, cache, _ = forward(params, tokens, positions, cache, cfg, num_new=num_new, logits=logits, at=at)
     return out, cache
 
 

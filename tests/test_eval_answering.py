@@ -34,7 +34,10 @@ def test_forced_greedy_answers_equal_plain_greedy_decoding(model):
 
     plain, work = answering.answer(params, cfg, answering.copy_cache(masked), suffixes, 12, STOPS)
     full, work = answering.answer(params, cfg, work, suffixes, 12, ())  # other answers to force
-    forced_cases = [plain.tokens, full.tokens, [t[:1] for t in full.tokens], [[11], plain.tokens[1], [12, 13]]]
+    wrong = [[(t[0] + 1) % cfg.vocab_size] for t in plain.tokens]  # a first token greedy would not pick
+    forced_cases = [plain.tokens, full.tokens, [t[:1] for t in full.tokens], [[11], plain.tokens[1], [12, 13]],
+                    [plain.tokens[0], wrong[1], plain.tokens[2]],  # one row to decode: in a gathered copy
+                    wrong]  # every row to decode: in place
     for forced in forced_cases:
         before = [np.asarray(x) for x in jax.tree.leaves(kv.mark(work))]
         got, work = answering.answer_forced(params, cfg, work, suffixes, forced, 12, STOPS)

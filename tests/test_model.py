@@ -197,6 +197,17 @@ def test_observer_sees_the_attention_it_should(tiny):
     assert np.all(probs[..., :32] == 0)
 
 
+def test_logits_at_token_indices_equal_all_logits_there(tiny):
+    _, _, cfg, params = tiny
+    tokens = _tokens(cfg, 2, 12)
+    full, _, _ = _full_forward(params, cfg, tokens, logits="all")
+    at = np.array([[0, 5, 11], [3, 3, 7]], np.int32)
+    got, _, _ = _full_forward(params, cfg, tokens, logits="at", at=jnp.asarray(at))
+    np.testing.assert_allclose(np.asarray(got), np.take_along_axis(np.asarray(full), at[..., None], 1), atol=1e-5)
+    with pytest.raises(ValueError, match="at"):
+        _full_forward(params, cfg, tokens, logits="all", at=jnp.asarray(at))
+
+
 def test_new_length_in_same_bucket_does_not_recompile(tiny):
     _, _, cfg, params = tiny
     gen.prefill(params, cfg, _tokens(cfg, 1, 37), capacity=128, chunk=32)

@@ -72,11 +72,14 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
     block, lengths = pad_rows([np.concatenate([s, np.asarray(a, np.int32)]) for s, a in zip(suffixes, forced)])
     if np.any(lengths > np.asarray(cache.room())):
         raise ValueError("question and answer exceed the cache's room")
-    logits, cache = gen.forward_step(params, jnp.asarray(block), jnp.asarray(lengths), cache, cfg, logits="all")
     # Position suffix_len - 1 + a predicts answer token a; a = answer_len predicts what follows the forced answer.
+    # The LM head runs only there (a bucketed count of positions, so new answer lengths rarely recompile).
     A = int(answer_len.max())
-    index = np.minimum(suffix_len[:, None] - 1 + np.arange(A + 1)[None, :], block.shape[1] - 1)  # [B, A + 1]
-    next_logits = jnp.take_along_axis(logits, jnp.asarray(index)[..., None], axis=1)  # [B, A + 1, V]
+    at = suffix_len[:, None] - 1 + np.arange(gen.bucket(A + 1, 8))[None, :]  # [B, P >= A + 1]
+    at = np.minimum(at, block.shape[1] - 1).astype(np.int32)
+    logits, cache = gen.forward_step(params, jnp.asarray(block), jnp.asarray(lengths), cache, cfg, logits="at",
+                                     at=jnp.asarray(at))
+    next_logits = logits[:, :A + 1]  # [B, A + 1, V]
     forced_logits = next_logits[:, :A]  # [B, A, V]
     valid = np.arange(A)[None, :] < answer_len[:, None]  # [B, A]
     if max_new_tokens == 0:
@@ -92,19 +95,38 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
     finished = (first == max_new_tokens) | ((first == answer_len) & ends_in_stop)  # greedy = forced[:first]
     tokens = [list(a[:f]) for a, f in zip(forced, first)]
     if not finished.all():
-        # Unfinished rows resume after forced[:first] (the logits there pick the next token); finished rows are
-        # handed a stop token, so the loop ends as soon as the resumed rows do.
-        at = np.where(finished, answer_len, first)  # [B]
-        start = jnp.take_along_axis(next_logits, jnp.asarray(at)[:, None, None], axis=1)[:, 0]  # [B, V]
-        if stop_tokens:
-            stop = jax.nn.one_hot(stop_tokens[0], start.shape[-1]) * 1e9
-            start = jnp.where(jnp.asarray(finished)[:, None], stop, start)
-        cache = kv.rewind(cache, _advanced(before, suffix_len + at))
+        # Unfinished rows resume after forced[:first] (the logits there pick the next token).
+        resume = np.where(finished, answer_len, first)  # [B]
+        start = jnp.take_along_axis(next_logits, jnp.asarray(resume)[:, None, None], axis=1)[:, 0]  # [B, V]
+        cache = kv.rewind(cache, _advanced(before, suffix_len + resume))
         budget = int((max_new_tokens - first[~finished]).max())
-        rest, cache = gen.decode(params, cfg, start, cache, budget, stop_tokens=stop_tokens)
-        tokens = [t if done else t + r[:max_new_tokens - f]
-                  for t, f, r, done in zip(tokens, first, rest, finished)]
+        rows, rest, cache = _decode_rows(params, cfg, start, cache, ~finished, budget, stop_tokens)
+        for b, r in zip(rows, rest):
+            tokens[b] = tokens[b] + r[:max_new_tokens - first[b]]
     return Answers(tokens, forced_logits, valid), kv.rewind(cache, before)
+
+
+def _decode_rows(params, cfg, start, cache: kv.KVCache, live: np.ndarray, budget: int, stop_tokens):
+    """Greedy decoding of the rows marked live [B] from logits start [B, V]. -> (their indices, their tokens,
+    the cache: donated, returned with every row at least as long as it came).
+
+    Decoding costs what the batch costs, so when few rows are live they are gathered into a copy of the cache
+    sized to the next power of two (padded with a repeat) and decoded there; the given cache then comes back as
+    it was. Otherwise the whole batch decodes and the rows not live are handed a stop token, so the loop ends as
+    soon as the live rows do."""
+    rows = np.flatnonzero(live)
+    B = live.size
+    size = min(B, gen.bucket(rows.size, 1))
+    if size < B:
+        pick = jnp.asarray(np.concatenate([rows, np.full(size - rows.size, rows[0])]))
+        sub = jax.tree.map(lambda x: jnp.take(x, pick, axis=0), cache)  # [size, ...] a copy: safe to donate
+        out, _ = gen.decode(params, cfg, start[pick], sub, budget, stop_tokens=stop_tokens)
+        return rows, out[:rows.size], cache
+    if stop_tokens:
+        stop = jax.nn.one_hot(stop_tokens[0], start.shape[-1]) * 1e9
+        start = jnp.where(jnp.asarray(~live)[:, None], stop, start)
+    out, cache = gen.decode(params, cfg, start, cache, budget, stop_tokens=stop_tokens)
+    return rows, [out[b] for b in rows], cache
 
 
 def copy_cache(cache: kv.KVCache) -> kv.KVCache:

@@ -18,7 +18,7 @@ from kvzip_jax.config import ModelConfig
 from kvzip_jax.models import attention, layers
 from kvzip_jax.models.params import layer_name, param_shapes
 
-LOGITS_CHOICES = ("last", "all", None)
+LOGITS_CHOICES = ("last", "all", "at", None)
 
 
 def _declare(module: nn.Module, shapes: dict):
@@ -118,7 +118,7 @@ class Transformer(nn.Module):
     logits: str | None = "last"
 
     @nn.compact
-    def __call__(self, tokens, positions, cache: kv.KVCache, num_new):
+    def __call__(self, tokens, positions, cache: kv.KVCache, num_new, at=None):
         cfg = self.cfg
         p = _declare(self, param_shapes(cfg))
         embed = p("embed")  # [V, D]
@@ -137,23 +137,28 @@ class Transformer(nn.Module):
             return None, new_cache, aux
         if self.logits == "last":
             x = jnp.take_along_axis(x, (num_new - 1)[:, None, None], axis=1)  # [B, 1, D]
+        elif self.logits == "at":
+            x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, P, D]
         x = layers.rms_norm(x, p("final_norm"), cfg.rms_norm_eps)
         head = embed.T if cfg.tie_embeddings else p("lm_head")  # [D, V]
         return (x @ head).astype(jnp.float32), new_cache, aux
 
 
 def forward(params, tokens, positions, cache: kv.KVCache, cfg: ModelConfig, observer=None, *,
-            num_new=None, logits: str | None = "last"):
+            num_new=None, logits: str | None = "last", at=None):
     """Runs tokens [B, T] at positions [B, T] on top of cache; returns (logits, cache, aux).
 
     num_new [B]: how many of the T tokens are real (right padding); defaults to T. logits: "last" gives
-    [B, 1, V] at each row's last real token, "all" gives [B, T, V], None skips the LM head.
+    [B, 1, V] at each row's last real token, "all" gives [B, T, V], "at" gives [B, P, V] at the token indices
+    at [B, P] (the LM head runs only there), None skips the LM head.
     aux["observed"]: per-layer observer outputs when an observer is given.
     """
     if logits not in LOGITS_CHOICES:
         raise ValueError(f"logits must be one of {LOGITS_CHOICES}, got {logits!r}")
+    if (logits == "at") != (at is not None):
+        raise ValueError('token indices `at` go with logits="at", and only with it')
     B, T = tokens.shape
     if num_new is None:
         num_new = jnp.full((B,), T, jnp.int32)
     model = Transformer(cfg, observer, logits)
-    return model.apply({"params": params}, tokens, positions, cache, num_new)
+    return model.apply({"params": params}, tokens, positions, cache, num_new, at)
