@@ -21,17 +21,38 @@ from kvzip_jax.models.attention import AttentionView
 DEFAULT_CHUNK = 512
 
 
+SCORE_BLOCK = 256  # keys per block of the blockwise max
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class H2OObserver:
-    """Per layer [B, K, C]: the max softmax weight each key slot receives from the real rows of the span."""
+    """Per layer [B, K, C]: the max softmax weight each key slot receives from the real rows of the span.
+
+    The weights are never materialised: a key's max over rows and query heads, max exp(s - lse), is reduced block
+    by block from its logits s and each row's log-normaliser lse, which the forward's attention returns."""
 
     num_valid: jax.Array  # [B] real span tokens; the rest is padding
 
     def __call__(self, view: AttentionView) -> jax.Array:
-        T = view.q.shape[1]
-        real = real_rows(self.num_valid, T)[:, None, None, :, None]  # [B, 1, 1, T, 1]
-        stat = jnp.where(real, view.probs, 0.0).max(axis=(2, 3))  # [B, K, S]
+        B, T, K, G, H = view.q.shape
+        qm = (view.q.astype(jnp.float32) * view.scale).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+        keys = jnp.concatenate([view.k, view.k_new.astype(view.k.dtype)], axis=2).astype(jnp.float32)  # [B,K,S,H]
+        visible = view.mask & real_rows(self.num_valid, T)[:, None, :, None]  # [B, K, T, S]
+        S = keys.shape[2]
+        size = min(SCORE_BLOCK, S)
+        pad = -S % size
+        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        visible = jnp.pad(visible, ((0, 0), (0, 0), (0, 0), (0, pad)))
+        blocks = lambda x, axis: jnp.moveaxis(x.reshape(x.shape[:axis] + (-1, size) + x.shape[axis + 1:]), axis, 0)
+
+        def block_max(kv_block):  # keys [B, K, size, H], visible [B, K, T, size] -> [B, K, size]
+            kb, vis = kv_block
+            stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb) - view.lse[..., None]  # log softmax weights
+            return jnp.exp(jnp.where(vis[:, :, None], stat, -jnp.inf).max(axis=(2, 3)))
+
+        stat = jax.lax.map(block_max, (blocks(keys, 2), blocks(visible, 3)))  # [blocks, B, K, size]
+        stat = jnp.moveaxis(stat, 0, 2).reshape(B, K, S + pad)[:, :, :S]  # [B, K, S]
         return to_slots(view, stat)
 
 
