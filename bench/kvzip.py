@@ -19,6 +19,7 @@ Compilation is excluded: every timed call runs once before. Times are best of --
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -120,7 +121,7 @@ def main() -> None:
         prefix_len, n_ctx = context.context_start, len(ids) - context.context_start
         prefill_s, (logits, cache) = best_time(lambda: gen.prefill(model.params, cfg, [ids]), args.repeats)
         reread = kvzip.reread_inputs(tok, [prefix_len], [ids[prefix_len:]], args.chunk_size)
-        score_s, scores = best_time(lambda: score(model.params, cfg, cache, reread), args.repeats)
+        score_s, scores = best_time(functools.partial(score, model.params, cfg, cache, reread), args.repeats)
 
         num_chunks = reread.tokens.shape[0]
         flops_prefill = prefill_flops(cfg, len(ids))

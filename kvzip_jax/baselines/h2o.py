@@ -19,8 +19,6 @@ from kvzip_jax.config import ModelConfig
 from kvzip_jax.models.attention import AttentionView
 
 DEFAULT_CHUNK = 512
-
-
 SCORE_BLOCK = 256  # keys per block of the blockwise max
 
 

@@ -173,10 +173,11 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
                       key_keep=None, block: int = 256, subset=None):
     """dense_attention's output without materialising scores over the cache.
 
-    q [B, T, K, G, H]; k, v [B, K, C, H] the cache before this step; filled [B, K] its slots in use; k_new, v_new
-    [B, K, T, H], or None when the cache already holds them (written first); query_slots [B, K, T]; key_keep [B, K, C] (masked caches) or None. Loops over cache blocks of
-    `block` slots up to the most filled head only (a dynamic trip count: a short context in a large cache costs
-    what its length costs), then over the new keys. Returns (out [B, T, K, G, H], lse, subset_lse [B, K, G, T]):
+    q [B, T, K, G, H]; k, v [B, K, C, H] the cache; filled [B, K] its slots in use; k_new, v_new [B, K, T, H] this
+    step's keys, or None when the cache already holds them (written first); query_slots [B, K, T]; key_keep
+    [B, K, C] (masked caches) or None. Loops over cache blocks of `block` slots up to the most filled head only (a
+    dynamic trip count: a short context in a large cache costs what its length costs), then over the new keys
+    (if given). Returns (out [B, T, K, G, H], lse, subset_lse [B, K, G, T]):
     the log of each query row's softmax normaliser, over all visible keys and over the visible keys of a subset
     (observers reuse them; a subset is free: it reuses the same logits). subset: a function of cache slots
     [B, K, S] -> bool [B, K, S] (the new keys always belong to it); None: all keys.
