@@ -145,4 +145,3 @@ def plant(rng: np.random.Generator, needles: Sequence[str], context_tokens: int,
     per stratum, in the given order)."""
     sentences = draw(rng, context_tokens - sum(map(count_tokens, needles)), count_tokens)
     return insert_needles(sentences, needles, spread_depths(rng, len(needles)))
-
