@@ -108,14 +108,28 @@ def next_token_divergence(
     """
     if full_logits.shape != compressed_logits.shape or full_logits.ndim != 3:
         raise ValueError(f"logits must both be [B, T, V], got {full_logits.shape} and {compressed_logits.shape}")
-    if valid.shape != full_logits.shape[:2]:
-        raise ValueError(f"valid must be [B, T] = {full_logits.shape[:2]}, got {valid.shape}")
-    logp = jax.nn.log_softmax(full_logits.astype(jnp.float32), axis=-1)
-    logq = jax.nn.log_softmax(compressed_logits.astype(jnp.float32), axis=-1)
+    return divergence_from(log_probs(full_logits), compressed_logits, valid)
+
+
+def log_probs(logits: jax.Array) -> jax.Array:
+    """float32 log-softmax over the last axis: the reference side of divergence_from, computed once per question."""
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def divergence_from(full_log_probs: jax.Array, compressed_logits: jax.Array, valid: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """next_token_divergence with the full side given as log_probs(full_logits) [B, T, V]: a sweep computes it once
+    per question and reuses it for every compressed cache."""
+    if full_log_probs.shape != compressed_logits.shape or full_log_probs.ndim != 3:
+        raise ValueError(f"logits must both be [B, T, V], got {full_log_probs.shape} and {compressed_logits.shape}")
+    if valid.shape != full_log_probs.shape[:2]:
+        raise ValueError(f"valid must be [B, T] = {full_log_probs.shape[:2]}, got {valid.shape}")
+    logp = full_log_probs
+    logq = log_probs(compressed_logits)
     p = jnp.exp(logp)
     # p == 0 terms contribute 0 (avoids 0 * (-inf - -inf) = NaN for masked vocabulary entries).
     kl = jnp.maximum(jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1), 0.0)  # [B, T]
-    flip = (jnp.argmax(full_logits, axis=-1) != jnp.argmax(compressed_logits, axis=-1)).astype(jnp.float32)
+    flip = (jnp.argmax(logp, axis=-1) != jnp.argmax(logq, axis=-1)).astype(jnp.float32)
     valid = valid.astype(bool)
     count = jnp.maximum(jnp.sum(valid, axis=-1), 1).astype(jnp.float32)  # [B]
     return jnp.sum(jnp.where(valid, kl, 0.0), -1) / count, jnp.sum(jnp.where(valid, flip, 0.0), -1) / count

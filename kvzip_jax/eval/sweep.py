@@ -122,7 +122,8 @@ def _masked(method, scores, cache, prefix_len, context_len, ratio, evictable):
 
 _kvzip_scores = jax.jit(kvzip.score)
 _baseline_scores = jax.jit(baselines.baseline_scores, static_argnames=("method",))
-_divergence = jax.jit(metrics.next_token_divergence)
+_log_probs = jax.jit(metrics.log_probs)
+_divergence = jax.jit(metrics.divergence_from)
 
 
 class Sweep:
@@ -216,14 +217,14 @@ class Sweep:
         return jnp.stack([jax.random.fold_in(seed, zlib.crc32(i.encode())) for i in ids])
 
     def _full_answers(self, batch: Batch, cache: kv.KVCache) -> dict[int, dict]:
-        """Per question: greedy answers of the full cache and its teacher-forced logits over them."""
+        """Per question: greedy answers of the full cache and its teacher-forced log-probabilities over them."""
         work = answering.copy_cache(cache)
         out = {}
         for i in range(batch.num_questions):
             rows = batch.question_rows(i)
             got, work = answering.answer(self.params, self.model.cfg, work, rows, batch.max_new_tokens, self.stops)
             forced, work = answering.answer_forced(self.params, self.model.cfg, work, rows, got.tokens, 0, self.stops)
-            out[i] = dict(tokens=got.tokens, logits=forced.logits, valid=forced.valid,
+            out[i] = dict(tokens=got.tokens, log_probs=_log_probs(forced.logits), valid=forced.valid,
                           kl=np.zeros(batch.size), flip=np.zeros(batch.size))
         return out
 
@@ -233,7 +234,7 @@ class Sweep:
         for i in asked:
             got, work = answering.answer_forced(self.params, self.model.cfg, work, batch.question_rows(i),
                                                 full[i]["tokens"], batch.max_new_tokens, self.stops)
-            kl, flip = _divergence(full[i]["logits"], got.logits, jnp.asarray(got.valid))
+            kl, flip = _divergence(full[i]["log_probs"], got.logits, jnp.asarray(got.valid))
             out[i] = dict(tokens=got.tokens, kl=np.asarray(kl), flip=np.asarray(flip))
         return out
 
