@@ -13,7 +13,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ContextTooLongError, EmptyInputError
-from kvzip_jax.models.attention import AttentionView
+from kvzip_jax.models.attention import AttentionView, map_key_blocks
 from kvzip_jax.models.transformer import forward
 from kvzip_jax.weights.hf import params_from_hf
 
@@ -255,3 +255,20 @@ def test_ask_leaves_the_context_cache_as_it_was(tiny):
     _, fresh = gen.prefill(params, cfg, [context], capacity=64)
     only_q2, _ = gen.ask(params, cfg, fresh, q2, 6)
     assert after_q1 == only_q2
+
+
+@pytest.mark.parametrize("size", [1, 4, 10, 16])
+def test_map_key_blocks_equals_the_whole_computation(size):
+    """Blockwise per-key statistics (last block padded) equal the same function over all keys at once."""
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 3, 5, 8)), jnp.float32)  # [B, K, T, H]
+    keys = jnp.asarray(rng.normal(size=(2, 3, 10, 8)), jnp.float32)  # [B, K, S, H], S = 10
+    visible = jnp.asarray(rng.random((2, 3, 5, 10)) < 0.7)  # [B, K, T, S]
+
+    def key_max(kb, vis):  # [B, K, s, H], [B, K, T, s] -> [B, K, s]
+        s = jnp.einsum("BKTH,BKSH->BKTS", q, kb)
+        return jnp.where(vis, s, -jnp.inf).max(axis=2)
+
+    got = map_key_blocks(key_max, size, (keys, 2), (visible, 3))
+    assert got.shape == (2, 3, 10)
+    np.testing.assert_allclose(got, key_max(keys, visible), rtol=1e-6, atol=1e-6)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from kvzip_jax import cache as kv
 from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models.attention import AttentionView
+from kvzip_jax.models.attention import AttentionView, map_key_blocks
 
 DEFAULT_CHUNK = 512
 SCORE_BLOCK = 256  # keys per block of the blockwise max
@@ -37,20 +37,12 @@ class H2OObserver:
         qm = (view.q.astype(jnp.float32) * view.scale).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
         keys = jnp.concatenate([view.k, view.k_new.astype(view.k.dtype)], axis=2).astype(jnp.float32)  # [B,K,S,H]
         visible = view.mask & real_rows(self.num_valid, T)[:, None, :, None]  # [B, K, T, S]
-        S = keys.shape[2]
-        size = min(SCORE_BLOCK, S)
-        pad = -S % size
-        keys = jnp.pad(keys, ((0, 0), (0, 0), (0, pad), (0, 0)))
-        visible = jnp.pad(visible, ((0, 0), (0, 0), (0, 0), (0, pad)))
-        blocks = lambda x, axis: jnp.moveaxis(x.reshape(x.shape[:axis] + (-1, size) + x.shape[axis + 1:]), axis, 0)
 
-        def block_max(kv_block):  # keys [B, K, size, H], visible [B, K, T, size] -> [B, K, size]
-            kb, vis = kv_block
+        def block_max(kb, vis):  # keys [B, K, size, H], visible [B, K, T, size] -> [B, K, size]
             stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb) - view.lse[..., None]  # log softmax weights
             return jnp.exp(jnp.where(vis[:, :, None], stat, -jnp.inf).max(axis=(2, 3)))
 
-        stat = jax.lax.map(block_max, (blocks(keys, 2), blocks(visible, 3)))  # [blocks, B, K, size]
-        stat = jnp.moveaxis(stat, 0, 2).reshape(B, K, S + pad)[:, :, :S]  # [B, K, S]
+        stat = map_key_blocks(block_max, SCORE_BLOCK, (keys, 2), (visible, 3))  # [B, K, S]
         return to_slots(view, stat)
 
 

@@ -14,7 +14,6 @@ D model width, L layers.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
-from kvzip_jax.models.attention import AttentionView
+from kvzip_jax.models.attention import AttentionView, map_key_blocks
 from kvzip_jax.models.transformer import forward
 
 DEFAULT_CHUNK = 2048
@@ -76,10 +75,9 @@ class RereadObserver:
         query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :, None]  # [B,1,1,T,1]
         o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
 
-        def block_scores(kv_block):  # keys, values [B, K, S, H] -> [B, K, S]
+        def block_scores(kb, vb):  # keys, values [B, K, S, H] -> [B, K, S]
             # max_t exp(s_t - lse_t) / |h_t| = exp(max_t (s_t - lse_t - log |h_t|)): the max over reread rows comes
             # first, so exp runs once per key, not once per (row, key). |W_O v| >= 0 scales after the max.
-            kb, vb = kv_block
             stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb)  # logits
             if lse is not None:
                 stat = stat - lse[..., None]
@@ -94,10 +92,7 @@ class RereadObserver:
                 stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
             return stat.max(axis=2)
 
-        size = math.gcd(m, SCORE_BLOCK)
-        split = lambda x: x.reshape(B, K, m // size, size, H).transpose(2, 0, 1, 3, 4)  # [blocks, B, K, size, H]
-        scores = jax.lax.map(block_scores, (split(chunk_k), split(chunk_v)))  # [blocks, B, K, size]
-        return scores.transpose(1, 2, 0, 3).reshape(B, K, m)
+        return map_key_blocks(block_scores, SCORE_BLOCK, (chunk_k, 2), (chunk_v, 2))  # [B, K, m]
 
     @property
     def normaliser_subset(self):

@@ -104,6 +104,25 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
     return keys, values, key_slots, mask
 
 
+def map_key_blocks(fn, size: int, *operands) -> jax.Array:
+    """Per-key statistics [B, K, S] computed over blocks of `size` keys one at a time (lax.map), so an observer's
+    [rows x keys] intermediates never exceed one block. operands: (array, key axis) pairs sharing the key count S;
+    fn takes one block of each (key axis of length size, in place) and returns [B, K, size]. The last block is
+    padded; its padding is dropped from the result."""
+    x0, axis0 = operands[0]
+    S = x0.shape[axis0]
+    size = min(size, S)
+    pad = -S % size
+
+    def blocks(x, axis):  # -> [S / size, ..., size, ...]
+        x = jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+        return jnp.moveaxis(x.reshape(x.shape[:axis] + (-1, size) + x.shape[axis + 1:]), axis, 0)
+
+    out = jax.lax.map(lambda block: fn(*block), tuple(blocks(x, axis) for x, axis in operands))  # [N, B, K, size]
+    N, B, K, _ = out.shape
+    return jnp.moveaxis(out, 0, 2).reshape(B, K, N * size)[:, :, :S]
+
+
 def _rows(q: jax.Array, scale: float) -> jax.Array:
     """q [B, T, K, G, H] -> scaled float32 query rows [B, K, M = G T, H]."""
     B, T, K, G, H = q.shape
