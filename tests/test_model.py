@@ -269,6 +269,6 @@ def test_map_key_blocks_equals_the_whole_computation(size):
         s = jnp.einsum("BKTH,BKSH->BKTS", q, kb)
         return jnp.where(vis, s, -jnp.inf).max(axis=2)
 
-    got = map_key_blocks(key_max, size, (keys, 2), (visible, 3))
+    got = map_key_blocks(key_max, (keys, 2), (visible, 3), size=size)
     assert got.shape == (2, 3, 10)
     np.testing.assert_allclose(got, key_max(keys, visible), rtol=1e-6, atol=1e-6)

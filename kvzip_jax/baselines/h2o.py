@@ -19,7 +19,6 @@ from kvzip_jax.config import ModelConfig
 from kvzip_jax.models.attention import AttentionView, map_key_blocks
 
 DEFAULT_CHUNK = 512
-SCORE_BLOCK = 256  # keys per block of the blockwise max
 
 
 @jax.tree_util.register_dataclass
@@ -33,7 +32,7 @@ class H2OObserver:
     num_valid: jax.Array  # [B] real span tokens; the rest is padding
 
     def __call__(self, view: AttentionView) -> jax.Array:
-        B, T, K, G, H = view.q.shape
+        T = view.q.shape[1]
         qm = (view.q.astype(jnp.float32) * view.scale).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
         keys = jnp.concatenate([view.k, view.k_new.astype(view.k.dtype)], axis=2).astype(jnp.float32)  # [B,K,S,H]
         visible = view.mask & real_rows(self.num_valid, T)[:, None, :, None]  # [B, K, T, S]
@@ -42,7 +41,7 @@ class H2OObserver:
             stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb) - view.lse[..., None]  # log softmax weights
             return jnp.exp(jnp.where(vis[:, :, None], stat, -jnp.inf).max(axis=(2, 3)))
 
-        stat = map_key_blocks(block_max, SCORE_BLOCK, (keys, 2), (visible, 3))  # [B, K, S]
+        stat = map_key_blocks(block_max, (keys, 2), (visible, 3))  # [B, K, S]
         return to_slots(view, stat)
 
 

@@ -106,8 +106,6 @@ def next_token_divergence(
     full_logits, compressed_logits: [B, T, V] logits of the same teacher-forced tokens under the full and the
     compressed cache; valid: [B, T] bool. Returns (kl [B], flip [B]) float32; a row without a valid position gives 0.
     """
-    if full_logits.shape != compressed_logits.shape or full_logits.ndim != 3:
-        raise ValueError(f"logits must both be [B, T, V], got {full_logits.shape} and {compressed_logits.shape}")
     return divergence_from(log_probs(full_logits), compressed_logits, valid)
 
 

@@ -33,7 +33,6 @@ def _static(default):
     return dataclasses.field(default=default, metadata=dict(static=True))
 
 
-SCORE_BLOCK = 256  # keys per block of the blockwise score reductions
 
 
 @jax.tree_util.register_dataclass
@@ -92,7 +91,7 @@ class RereadObserver:
                 stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
             return stat.max(axis=2)
 
-        return map_key_blocks(block_scores, SCORE_BLOCK, (chunk_k, 2), (chunk_v, 2))  # [B, K, m]
+        return map_key_blocks(block_scores, (chunk_k, 2), (chunk_v, 2))  # [B, K, m]
 
     @property
     def normaliser_subset(self):

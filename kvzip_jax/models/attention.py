@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so an all-masked row never gives inf - inf
+KEY_BLOCK = 256  # keys per block of map_key_blocks
 
 
 def attention_mask(query_slots: jax.Array, key_slots: jax.Array, key_visible: jax.Array,
@@ -104,7 +105,7 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
     return keys, values, key_slots, mask
 
 
-def map_key_blocks(fn, size: int, *operands) -> jax.Array:
+def map_key_blocks(fn, *operands, size: int = KEY_BLOCK) -> jax.Array:
     """Per-key statistics [B, K, S] computed over blocks of `size` keys one at a time (lax.map), so an observer's
     [rows x keys] intermediates never exceed one block. operands: (array, key axis) pairs sharing the key count S;
     fn takes one block of each (key axis of length size, in place) and returns [B, K, size]. The last block is
