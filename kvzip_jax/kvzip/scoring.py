@@ -33,8 +33,6 @@ def _static(default):
     return dataclasses.field(default=default, metadata=dict(static=True))
 
 
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class RereadObserver:
