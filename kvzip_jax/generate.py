@@ -155,15 +155,17 @@ def _decode_loop(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new, s
     out = jnp.full((B, buffer), -1, jnp.int32)  # [B, buffer], -1 after a row stops
     state = (jnp.int32(0), out, jnp.zeros((B,), bool), cache, logits, sampling.key)
     _, out, _, cache, logits, _ = jax.lax.while_loop(cond, body, state)
-    return out, cache
+    return out, cache, logits
 
 
 def decode(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new_tokens: int, *,
-           stop_tokens: Sequence[int] = (), sampling: Sampling | None = None):
+           stop_tokens: Sequence[int] = (), sampling: Sampling | None = None, return_logits: bool = False):
     """Generates up to max_new_tokens from the logits [B, V] of the last prefilled token.
 
-    Returns (tokens list per row, cache). A row stops after emitting one of stop_tokens (kept in its output);
-    generation also stops when the cache is full. The given cache is donated.
+    Returns (tokens list per row, cache), plus with return_logits the logits [B, V] after each row's last fed
+    token (where decoding would go on; meaningless for a stopped row). A row stops after emitting one of
+    stop_tokens (kept in its output, not fed); generation also stops when the cache is full. The given cache is
+    donated.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -172,10 +174,10 @@ def decode(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new_tokens: 
     stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
     stops[:len(stop_tokens)] = list(stop_tokens)
     sampling = sampling or Sampling.make()
-    out, cache = _decode_loop(params, cfg, logits, cache, jnp.int32(max_new_tokens), jnp.asarray(stops), sampling,
-                              buffer=bucket(max_new_tokens))
-    out = np.asarray(out)
-    return [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in out], cache
+    out, cache, logits = _decode_loop(params, cfg, logits, cache, jnp.int32(max_new_tokens), jnp.asarray(stops),
+                                      sampling, buffer=bucket(max_new_tokens))
+    tokens = [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in np.asarray(out)]
+    return (tokens, cache, logits) if return_logits else (tokens, cache)
 
 
 def ask(params, cfg: ModelConfig, cache: kv.KVCache, question_tokens, max_new_tokens: int, *,

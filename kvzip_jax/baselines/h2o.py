@@ -50,11 +50,11 @@ def h2o_scores(params, cfg: ModelConfig, cache: kv.KVCache, prefix_len: jax.Arra
     """H2O scores [L, B, K, n] of the context pairs of a cache holding [prefix | context].
 
     context_tokens [B, n] right-padded; question: (tokens [B, Tq], lengths [B]) or None. The context is replayed
-    in chunks of `chunk` tokens (observe_span), combined by max.
+    in the fewest chunks of at most `chunk` tokens (observe_span), combined by max.
     """
     B, n = context_tokens.shape
-    width = min(chunk, n)
-    num_chunks = -(-n // width)
+    num_chunks = -(-n // chunk)
+    width = -(-n // num_chunks)  # chunks of equal width: 640 tokens go as 2 x 320, not 512 + 512
     padded = jnp.pad(context_tokens, ((0, 0), (0, num_chunks * width - n)))  # [B, chunks x width]
 
     def visit(c, best):

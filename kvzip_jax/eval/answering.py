@@ -19,6 +19,8 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 
+SEGMENT = 8  # decoding steps between regathers of the rows still decoding
+
 
 @dataclasses.dataclass(frozen=True)
 class Answers:
@@ -50,7 +52,7 @@ def answer(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], max_new_t
     """Greedy answers to one suffix per row. Returns (answers, the cache as it was). The cache is donated."""
     before = kv.mark(cache)
     logits, cache = gen.prefill(params, cfg, suffixes, cache)
-    tokens, cache = gen.decode(params, cfg, logits, cache, max_new_tokens, stop_tokens=stop_tokens)
+    _, tokens, cache = _decode_rows(params, cfg, logits, cache, np.full(len(suffixes), max_new_tokens), stop_tokens)
     return Answers(tokens), kv.rewind(cache, before)
 
 
@@ -62,7 +64,7 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
 
     Greedy decoding follows the forced answer for as long as the forced logits' argmax agrees with it; so a row's
     greedy answer is the forced answer up to the first disagreement, and only from there on is it decoded. Rows
-    that agree with a whole forced answer ending in a stop token (or as long as max_new_tokens) are not decoded.
+    that follow the forced answer through a stop token (or for max_new_tokens tokens) are not decoded.
     """
     before = kv.mark(cache)
     suffix_len = np.array([len(s) for s in suffixes], np.int32)  # [B]
@@ -73,9 +75,9 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
     if np.any(lengths > np.asarray(cache.room())):
         raise ValueError("question and answer exceed the cache's room")
     # Position suffix_len - 1 + a predicts answer token a; a = answer_len predicts what follows the forced answer.
-    # The LM head runs only there (a bucketed count of positions, so new answer lengths rarely recompile).
+    # The LM head runs only there (A + 1 rounded up to a multiple of 8, so new answer lengths rarely recompile).
     A = int(answer_len.max())
-    at = suffix_len[:, None] - 1 + np.arange(gen.bucket(A + 1, 8))[None, :]  # [B, P >= A + 1]
+    at = suffix_len[:, None] - 1 + np.arange(-(-(A + 1) // 8) * 8)[None, :]  # [B, P >= A + 1]
     at = np.minimum(at, block.shape[1] - 1).astype(np.int32)
     logits, cache = gen.forward_step(params, jnp.asarray(block), jnp.asarray(lengths), cache, cfg, logits="at",
                                      at=jnp.asarray(at))
@@ -90,43 +92,60 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
         forced_ids[b, :len(a)] = a
     differs = (np.asarray(jnp.argmax(forced_logits, axis=-1)) != forced_ids) & valid  # [B, A]
     first = np.where(differs.any(axis=1), differs.argmax(axis=1), answer_len)  # [B] first disagreement
-    first = np.minimum(first, max_new_tokens)
-    ends_in_stop = np.array([a[-1] in stop_tokens for a in forced])
-    finished = (first == max_new_tokens) | ((first == answer_len) & ends_in_stop)  # greedy = forced[:first]
+    # Tokens through each forced answer's first stop token (answer_len + 1 when it has none).
+    through_stop = np.array([next((i + 1 for i, t in enumerate(a) if t in stop_tokens), len(a) + 1) for a in forced])
+    stopped = through_stop <= first  # greedy follows the forced answer through its stop token, and ends there
+    first = np.minimum(np.where(stopped, through_stop, first), max_new_tokens)
+    finished = stopped | (first == max_new_tokens)  # greedy = forced[:first]
     tokens = [list(a[:f]) for a, f in zip(forced, first)]
     if not finished.all():
         # Unfinished rows resume after forced[:first] (the logits there pick the next token).
         resume = np.where(finished, answer_len, first)  # [B]
         start = jnp.take_along_axis(next_logits, jnp.asarray(resume)[:, None, None], axis=1)[:, 0]  # [B, V]
         cache = kv.rewind(cache, _advanced(before, suffix_len + resume))
-        budget = int((max_new_tokens - first[~finished]).max())
-        rows, rest, cache = _decode_rows(params, cfg, start, cache, ~finished, budget, stop_tokens)
+        budget = np.where(finished, 0, max_new_tokens - first)  # [B] tokens left to decode per row
+        rows, rest, cache = _decode_rows(params, cfg, start, cache, budget, stop_tokens)
         for b, r in zip(rows, rest):
-            tokens[b] = tokens[b] + r[:max_new_tokens - first[b]]
+            tokens[b] = tokens[b] + r
     return Answers(tokens, forced_logits, valid), kv.rewind(cache, before)
 
 
-def _decode_rows(params, cfg, start, cache: kv.KVCache, live: np.ndarray, budget: int, stop_tokens):
-    """Greedy decoding of the rows marked live [B] from logits start [B, V]. -> (their indices, their tokens,
-    the cache: donated, returned with every row at least as long as it came).
+def _decode_rows(params, cfg, start, cache: kv.KVCache, budget: np.ndarray, stop_tokens):
+    """Greedy decoding of the rows with budget [B] > 0 (their token limits) from logits start [B, V].
+    -> (their indices, their tokens, the cache: donated, returned with every row at least as long as it came).
 
-    Decoding costs what the batch costs, so when few rows are live they are gathered into a copy of the cache
-    sized to the next power of two (padded with a repeat) and decoded there; the given cache then comes back as
-    it was. Otherwise the whole batch decodes and the rows not live are handed a stop token, so the loop ends as
-    soon as the live rows do."""
-    rows = np.flatnonzero(live)
-    B = live.size
-    size = min(B, gen.bucket(rows.size, 1))
-    if size < B:
-        pick = jnp.asarray(np.concatenate([rows, np.full(size - rows.size, rows[0])]))
-        sub = jax.tree.map(lambda x: jnp.take(x, pick, axis=0), cache)  # [size, ...] a copy: safe to donate
-        out, _ = gen.decode(params, cfg, start[pick], sub, budget, stop_tokens=stop_tokens)
-        return rows, out[:rows.size], cache
-    if stop_tokens:
-        stop = jax.nn.one_hot(stop_tokens[0], start.shape[-1]) * 1e9
-        start = jnp.where(jnp.asarray(~live)[:, None], stop, start)
-    out, cache = gen.decode(params, cfg, start, cache, budget, stop_tokens=stop_tokens)
-    return rows, [out[b] for b in rows], cache
+    A step costs what the batch costs, so decoding goes in segments of SEGMENT steps, and before each segment the
+    rows still decoding are gathered into a copy of the cache sized to the next power of two (padded with a
+    repeat) whenever that is smaller than the batch at hand. The other rows of a batch are handed a stop token,
+    so a segment ends as soon as its live rows do."""
+    rows = [int(b) for b in np.flatnonzero(budget > 0)]
+    tokens = {b: [] for b in rows}
+    done = set()  # rows that emitted a stop token, reached their budget or found the cache full
+    where = {b: b for b in rows}  # row -> its index in the batch being decoded
+    work, logits, in_place = cache, start, True
+    while len(done) < len(rows):
+        live = [b for b in rows if b not in done]
+        size = gen.bucket(len(live), 1)
+        if size < logits.shape[0]:
+            pick = np.array([where[b] for b in live] + [where[live[0]]] * (size - len(live)))
+            work = jax.tree.map(lambda x: jnp.take(x, jnp.asarray(pick), axis=0), work)  # a copy: safe to donate
+            logits, where, in_place = logits[pick], {b: i for i, b in enumerate(live)}, False
+        elif len(live) < logits.shape[0] and stop_tokens:
+            decoding = np.zeros(logits.shape[0], bool)
+            decoding[[where[b] for b in live]] = True
+            stop = jax.nn.one_hot(stop_tokens[0], logits.shape[-1]) * 1e9
+            logits = jnp.where(jnp.asarray(decoding)[:, None], logits, stop)
+        steps = min(SEGMENT, max(int(budget[b]) - len(tokens[b]) for b in live))
+        out, work, logits = gen.decode(params, cfg, logits, work, steps, stop_tokens=stop_tokens,
+                                       return_logits=True)
+        if in_place:
+            cache = work
+        for b in live:
+            new = out[where[b]][:int(budget[b]) - len(tokens[b])]
+            tokens[b] += new
+            if len(tokens[b]) == budget[b] or (new and new[-1] in stop_tokens) or len(new) < steps:
+                done.add(b)
+    return np.array(rows, np.int64), [tokens[b] for b in rows], cache
 
 
 def copy_cache(cache: kv.KVCache) -> kv.KVCache:

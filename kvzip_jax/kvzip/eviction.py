@@ -33,9 +33,13 @@ def check_ratio(ratio) -> None:
 
 def _top_counts(scores: jax.Array, counts: jax.Array) -> jax.Array:
     """keep [..., M] bool: the counts [...] highest of scores [..., M], ties broken by lower index."""
-    order = jnp.argsort(-scores, axis=-1, stable=True)  # [..., M]
-    ranks = jnp.argsort(order, axis=-1, stable=True)  # rank of each entry
-    return ranks < counts[..., None]
+    *lead, M = scores.shape
+    flat = scores.reshape(-1, M)  # [R, M]
+    order = jnp.argsort(-flat, axis=-1, stable=True)  # [R, M] entries by rank
+    rows = jnp.arange(flat.shape[0])[:, None]
+    ranks = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), flat.shape)
+    ranks = jnp.zeros_like(ranks).at[rows, order].set(ranks, unique_indices=True)  # rank of each entry (inverse)
+    return ranks.reshape(scores.shape) < counts[..., None]
 
 
 def keep_mask(scores: jax.Array, context_len: jax.Array, ratio, level: str = "pair",
