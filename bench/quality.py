@@ -2,14 +2,15 @@
 
     python bench/quality.py [--model qwen2.5-coder-0.5b-instruct] [--ratios 1.0,0.9,0.7,0.5,0.3,0.2,0.1]
                             [--level pair[,layer,...]] [--max-new-tokens 32] [--contexts incident,museum]
-                            [--chunk-size N] [--json-out FILE]
+                            [--chunk-size N] [--json-out FILE] [--instruction kvzip|none|TEXT]
 
 Each bundled context (kvzip_jax/data/quality/*.json: ~1,500 tokens of prose carrying codes, names, places and
-numbers, six questions each) is prefilled once and scored once by KVzip. For every level and ratio, the scores give
-a keep mask, the masked cache serves all questions of the context (greedy answers), and each answer is recorded:
-correct (the expected answer occurs in it, case-insensitive) and equal to the full-cache answer (same text).
-Prints a Markdown table per ratio (accuracy, full-cache accuracy, answers equal to the full-cache ones) and one per
-context. Ratio is the fraction of context KV pairs kept. Run it with kvzip-jax installed (`make test` does) or with
+numbers, six questions each) is prefilled once, after KVzip's task instruction ("Given the context, answer to the
+following question or request without explanation.", part of the never-evicted prefix as in KVzip's own
+evaluation), and scored once by KVzip. For every level and ratio, the scores give a keep mask, the masked cache
+serves all questions of the context (greedy answers), and each answer is recorded: correct (the expected answer
+occurs in it, case-insensitive) and equal to the full-cache answer (same text). Prints a Markdown table per ratio
+(accuracy, full-cache accuracy, answers equal to the full-cache ones) and one per context. Ratio is the fraction of context KV pairs kept. Run it with kvzip-jax installed (`make test` does) or with
 PYTHONPATH set to the repository root.
 """
 
@@ -85,13 +86,15 @@ def _progress(total: int):
 
 
 def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), max_new_tokens: int = 32,
-                progress=None, chunk_size: int | None = None) -> tuple[list[Record], dict]:
-    """Prefills one context once, scores it once (reread chunks of chunk_size tokens; None: the library's
-    default), and answers all its questions from the full cache and from the masked cache of every (level, ratio).
-    Returns (records, timings in seconds)."""
+                progress=None, chunk_size: int | None = None,
+                instruction: str | None = prompts.KVZIP_INSTRUCTION) -> tuple[list[Record], dict]:
+    """Prefills one context once (after KVzip's task instruction, in the never-evicted prefix; None: none), scores
+    it once (reread chunks of chunk_size tokens; None: the library's default), and answers all its questions from
+    the full cache and from the masked cache of every (level, ratio). Returns (records, timings in seconds)."""
     tok, cfg, params = model.tokenizer, model.cfg, model.params
     questions = item["questions"]
-    context, suffixes = prompts.split_for_reuse(tok, item["context"], [q["question"] for q in questions])
+    context, suffixes = prompts.split_for_reuse(tok, item["context"], [q["question"] for q in questions],
+                                                instruction=instruction)
     stops = prompts.stop_token_ids(tok)
     timings = {"context_tokens": len(context) - context.context_start}
 
@@ -192,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-size", type=int, help="reread chunk length in tokens (default: the library's)")
     parser.add_argument("--contexts", help="comma-separated context names (default: all bundled)")
     parser.add_argument("--json-out", help="write every answer as a JSON record to this file")
+    parser.add_argument("--instruction", default="kvzip",
+                        help='the task instruction before each context: "kvzip" (KVzip\'s: "'
+                             f'{prompts.KVZIP_INSTRUCTION}"), "none", or any text')
     args = parser.parse_args(argv)
+    instruction = prompts.named_instruction(args.instruction)
 
     ratios = tuple(float(r) for r in args.ratios.split(","))
     levels = tuple(level.strip() for level in args.level.split(","))
@@ -208,12 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model.name} loaded in {time.perf_counter() - wall:.1f} s (jax {jax.__version__}, "
           f"{jax.default_backend()}); {len(contexts)} contexts; levels {', '.join(levels)}; "
           f"ratios {', '.join(f'{r:g}' for r in ratios)}; max {args.max_new_tokens} new tokens; reread chunk "
-          f"{args.chunk_size or 'default'}", flush=True)
+          f"{args.chunk_size or 'default'}; instruction {instruction!r}", flush=True)
     total = sum(len(item["questions"]) for item in contexts.values()) * (1 + len(levels) * len(ratios))
     progress = _progress(total)
     records = []
     for name, item in contexts.items():
-        rows, t = run_context(model, name, item, ratios, levels, args.max_new_tokens, progress, args.chunk_size)
+        rows, t = run_context(model, name, item, ratios, levels, args.max_new_tokens, progress, args.chunk_size,
+                              instruction)
         records += rows
         full = [r for r in rows if r.level == FULL]
         print(f"\n{name}: {t['context_tokens']} context tokens; prefill {t['prefill_s']:.1f} s, KVzip scoring "

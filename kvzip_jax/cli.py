@@ -171,6 +171,8 @@ def _compress(args: argparse.Namespace) -> int:
         args.subparser.error("--max-new-tokens and --chunk-size must be >= 1")
     if (args.sink or args.recent) and args.level != "head":
         args.subparser.error("--sink and --recent apply to --level head only")
+    if not args.instruction.strip():
+        args.subparser.error('--instruction is empty; give a text, "kvzip" or "none"')
     check_ratio(args.ratio)
     document = _read_text(args.context, "context")
     if not document.strip():
@@ -184,7 +186,8 @@ def _compress(args: argparse.Namespace) -> int:
     model = registry.load(args.model)
     print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
-    context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [])
+    context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [],
+                                                instruction=prompts.named_instruction(args.instruction))
 
     start = time.perf_counter()
     logits, cache = gen.prefill(model.params, model.cfg, [context.ids()])
@@ -281,6 +284,9 @@ def _add_compress(subparsers) -> None:
     parser.add_argument("--question", action="append", metavar="Q", help="a question (repeatable)")
     parser.add_argument("--questions", metavar="FILE", help='JSON list of strings or of {"question", "answer"}')
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--instruction", default="none", help='text that opens the user message before the context, '
+                        'kept with the never-evicted prefix: "kvzip" for KVzip\'s task instruction ("Given the '
+                        'context, answer to the following question or request without explanation."), or "none"')
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
     parser.add_argument("--sink", type=int, default=0, help="--level head: first context tokens every dropped head "
                         "keeps (on top of the ratio)")

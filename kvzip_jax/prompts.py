@@ -1,6 +1,7 @@
 """The token layout KVzip needs: [prefix | context | question | answer header].
 
-  prefix         BOS, the system turn and the user-turn header: everything before the context; never evicted
+  prefix         BOS, the system turn, the user-turn header and an optional task instruction (KVzip's
+                 KVZIP_INSTRUCTION + "\\n\\n"): everything before the context; never evicted
   context        the document to compress (the only evictable segment)
   question       "\\n\\n" + question; empty when there is no question; appended after the (compressed) context cache
   answer header  end of the user turn + start of the assistant turn (KVzip's "postfix"), e.g. ChatML
@@ -33,6 +34,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 QUESTION_SEPARATOR = "\n\n"
+INSTRUCTION_SEPARATOR = "\n\n"
+KVZIP_INSTRUCTION = "Given the context, answer to the following question or request without explanation."
 PLAIN_ANSWER_HEADER = "\n\nAnswer:"
 REREAD_FIRST_CHUNK = "Repeat the previous context exactly."
 REREAD_NEXT_CHUNK = "Repeat the part of the previous context exactly, starting with "
@@ -105,29 +108,42 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> np.ndarray:
     return _encode(tokenizer, text, parse_special_tokens=False)
 
 
-def build_prompt(
-    tokenizer: PreTrainedTokenizerBase, context: str, question: str | None = None, system: str | None = None
-) -> Prompt:
-    """Lays out [prefix | context | question | answer header]; the user message is context + "\\n\\n" + question.
+def named_instruction(value: str | None) -> str | None:
+    """A task instruction from its command-line form: "kvzip" -> KVZIP_INSTRUCTION, None or "none" -> None, any
+    other text as it is."""
+    return {"kvzip": KVZIP_INSTRUCTION, "none": None}.get(value, value) if value is not None else None
 
-    system replaces the template's default system prompt (None keeps the default). Raises EmptyInputError on an
-    empty context or question, KvzipError when the template alters the message or the ids do not decode to it.
+
+def build_prompt(
+    tokenizer: PreTrainedTokenizerBase, context: str, question: str | None = None, system: str | None = None,
+    instruction: str | None = None,
+) -> Prompt:
+    """Lays out [prefix | context | question | answer header]; the user message is [instruction + "\\n\\n"] +
+    context + "\\n\\n" + question.
+
+    system replaces the template's default system prompt (None keeps the default). instruction (e.g.
+    KVZIP_INSTRUCTION, which KVzip puts before every context) opens the user message and belongs to the prefix, so
+    it is never evicted; None: no instruction. Raises EmptyInputError on an empty context, question or instruction,
+    KvzipError when the template alters the message or the ids do not decode to it.
     """
     context = _stripped(context, "context")
     question_text = "" if question is None else QUESTION_SEPARATOR + _stripped(question, "question")
+    lead = "" if instruction is None else _stripped(instruction, "instruction") + INSTRUCTION_SEPARATOR
     layout = chat_layout(tokenizer, system)
     segments = (
         _encode(tokenizer, layout.prefix, parse_special_tokens=True),
+        encode_text(tokenizer, lead),
         encode_text(tokenizer, context),
         encode_text(tokenizer, question_text),
         _encode(tokenizer, layout.answer_header, parse_special_tokens=True),
     )
-    expected_text = layout.prefix + context + question_text + layout.answer_header
-    if tokenizer.chat_template is not None and _render(tokenizer, context + question_text, system) != expected_text:
+    user_message = lead + context + question_text
+    expected_text = layout.prefix + user_message + layout.answer_header
+    if tokenizer.chat_template is not None and _render(tokenizer, user_message, system) != expected_text:
         raise KvzipError("the chat template alters the user message, so segment boundaries would not be exact")
     tokens = _checked_concatenation(tokenizer, segments, expected_text)
     ends = np.cumsum([len(segment) for segment in segments])
-    context_start, context_end, question_end = (int(end) for end in ends[:3])
+    context_start, context_end, question_end = (int(end) for end in ends[1:4])
     return Prompt(tuple(tokens.tolist()), context_start, context_end, question_end)
 
 
@@ -143,11 +159,12 @@ def question_suffix(tokenizer: PreTrainedTokenizerBase, question: str, system: s
 
 
 def split_for_reuse(
-    tokenizer: PreTrainedTokenizerBase, context: str, questions: Sequence[str], system: str | None = None
+    tokenizer: PreTrainedTokenizerBase, context: str, questions: Sequence[str], system: str | None = None,
+    instruction: str | None = None,
 ) -> tuple[Prompt, list[np.ndarray]]:
     """The [prefix | context] part to prefill once (a Prompt whose question and answer header are empty) and,
-    per question, the suffix ids to append to that cache."""
-    full = build_prompt(tokenizer, context, system=system)
+    per question, the suffix ids to append to that cache. system and instruction as in build_prompt."""
+    full = build_prompt(tokenizer, context, system=system, instruction=instruction)
     context_part = Prompt(full.tokens[: full.context_end], full.context_start, full.context_end, full.context_end)
     return context_part, [question_suffix(tokenizer, question, system) for question in questions]
 

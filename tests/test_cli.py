@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvzip_jax import cli
+from kvzip_jax import cli, prompts
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.checkpoint import is_checkpoint
 from tests.conftest import _checkpoints_dir
@@ -81,13 +81,25 @@ def test_level_head_without_head_scores_says_to_run_head_scores_first(capsys, co
                                   "--ratio", "0.5", "--level", "head"], f"kvzip-jax head-scores --model {tmp_path}")
 
 
-def test_compress_answers_from_the_compressed_cache(capsys, smollm2, context_file, tmp_path):
+def test_an_empty_instruction_exits_2_before_loading_the_model(capsys, monkeypatch, context_file):
+    monkeypatch.setattr(registry, "load", lambda name: pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3",
+                  "--instruction", " "])
+    assert exit_info.value.code == cli.EXIT_USER_ERROR
+    assert "--instruction is empty" in capsys.readouterr().err
+
+
+def test_compress_answers_from_the_compressed_cache(capsys, smollm2, restored, context_file, tmp_path):
     questions = tmp_path / "questions.json"
     questions.write_text(json.dumps([{"question": "Which crate held the backup drill?", "answer": "K-4471"}]))
     argv = ["compress", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
-            "--question", QUESTION, "--questions", str(questions), "--max-new-tokens", "12", "--chunk-size", "64"]
+            "--question", QUESTION, "--questions", str(questions), "--max-new-tokens", "12", "--chunk-size", "64",
+            "--instruction", "kvzip"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
+    context, _ = prompts.split_for_reuse(restored.tokenizer, CONTEXT, [], instruction=prompts.KVZIP_INSTRUCTION)
+    assert f"({context.context_start} prefix + " in out  # KVzip's instruction sits in the never-evicted prefix
     assert "prefill:" in out and "KVzip pair level at ratio 0.5: scored and evicted" in out
     assert out.count("\nA: ") == 2 and f"Q: {QUESTION}\nA: " in out and "Q: Which crate" in out
     assert "tokens in" in out

@@ -143,6 +143,25 @@ def test_system_prompt_replaces_the_default(tokenizer):
         assert "helpful" not in prefix
 
 
+def test_instruction_opens_the_user_message_inside_the_prefix(tokenizer):
+    """KVzip's task instruction precedes the context in the user message and belongs to the never-evicted prefix."""
+    question = DEMO_QUESTIONS[0]["question"]
+    plain = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, question)
+    prompt = prompts.build_prompt(tokenizer, DEMO_DOCUMENT, question, instruction=prompts.KVZIP_INSTRUCTION)
+    ids = prompt.ids()
+    lead = prompts.KVZIP_INSTRUCTION + "\n\n"
+    assert decode(tokenizer, ids[prompt.prefix_slice]) == prompts.chat_layout(tokenizer).prefix + lead
+    assert ids[prompt.context_slice].tolist() == plain.ids()[plain.context_slice].tolist()
+    assert ids[prompt.context_end:].tolist() == plain.ids()[plain.context_end:].tolist()
+    if tokenizer.chat_template is not None:
+        assert decode(tokenizer, ids) == rendered_chat(tokenizer, lead + DEMO_DOCUMENT.strip() + "\n\n" + question)
+    context_part, suffixes = prompts.split_for_reuse(tokenizer, DEMO_DOCUMENT, [question],
+                                                     instruction=prompts.KVZIP_INSTRUCTION)
+    assert np.array_equal(np.concatenate([context_part.ids(), suffixes[0]]), ids)
+    with pytest.raises(EmptyInputError, match="instruction"):
+        prompts.build_prompt(tokenizer, DEMO_DOCUMENT, question, instruction="  ")
+
+
 def test_layouts_of_the_bundled_tokenizers():
     chatml_header = "<|im_end|>\n<|im_start|>assistant\n"
     smollm2 = prompts.chat_layout(load_tokenizer("smollm2"))
