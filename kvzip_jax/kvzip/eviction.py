@@ -33,12 +33,12 @@ def check_ratio(ratio) -> None:
 
 def _top_counts(scores: jax.Array, counts: jax.Array) -> jax.Array:
     """keep [..., M] bool: the counts [...] highest of scores [..., M], ties broken by lower index."""
-    *lead, M = scores.shape
+    M = scores.shape[-1]
     flat = scores.reshape(-1, M)  # [R, M]
     order = jnp.argsort(-flat, axis=-1, stable=True)  # [R, M] entries by rank
     rows = jnp.arange(flat.shape[0])[:, None]
-    ranks = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), flat.shape)
-    ranks = jnp.zeros_like(ranks).at[rows, order].set(ranks, unique_indices=True)  # rank of each entry (inverse)
+    places = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), flat.shape)
+    ranks = jnp.zeros_like(places).at[rows, order].set(places, unique_indices=True)  # the inverse permutation
     return ranks.reshape(scores.shape) < counts[..., None]
 
 
