@@ -37,6 +37,7 @@ from transformers import pipeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "..", "kvzip_jax", "data")
+# kvzip_jax.prompts.KVZIP_INSTRUCTION, restated: this venv has no kvzip_jax (see kvpress_peer.py).
 KVZIP_INSTRUCTION = "Given the context, answer to the following question or request without explanation."
 
 

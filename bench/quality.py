@@ -10,8 +10,9 @@ following question or request without explanation.", part of the never-evicted p
 evaluation), and scored once by KVzip. For every level and ratio, the scores give a keep mask, the masked cache
 serves all questions of the context (greedy answers), and each answer is recorded: correct (the expected answer
 occurs in it, case-insensitive) and equal to the full-cache answer (same text). Prints a Markdown table per ratio
-(accuracy, full-cache accuracy, answers equal to the full-cache ones) and one per context. Ratio is the fraction of context KV pairs kept. Run it with kvzip-jax installed (`make test` does) or with
-PYTHONPATH set to the repository root.
+(accuracy, full-cache accuracy, answers equal to the full-cache ones) and one per context. Ratio is the fraction of
+context KV pairs kept. Run it with kvzip-jax installed (`make test` does) or with PYTHONPATH set to the repository
+root.
 """
 
 from __future__ import annotations
