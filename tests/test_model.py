@@ -272,3 +272,43 @@ def test_map_key_blocks_equals_the_whole_computation(size):
     got = map_key_blocks(key_max, (keys, 2), (visible, 3), size=size)
     assert got.shape == (2, 3, 10)
     np.testing.assert_allclose(got, key_max(keys, visible), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_blocked_attention_over_cache_and_new_keys_equals_dense_softmax(window):
+    """Online softmax over cache blocks, then the new keys in causal tiles (T = 300: two tiles, the second padded),
+    equals a float64 softmax over [visible cache slots | new keys]; lse and the subset's lse too."""
+    from kvzip_jax.models.attention import blocked_attention
+
+    rng = np.random.default_rng(3)
+    B, K, G, H, C, T, scale = 2, 2, 3, 8, 64, 300, 0.3
+    q = rng.normal(size=(B, T, K, G, H)).astype(np.float32)
+    k, v = (rng.normal(size=(B, K, C, H)).astype(np.float32) for _ in range(2))
+    k_new, v_new = (rng.normal(size=(B, K, T, H)).astype(np.float32) for _ in range(2))
+    filled = rng.integers(10, C, (B, K)).astype(np.int32)
+    keep = rng.random((B, K, C)) < 0.8
+    query_slots = filled[..., None] + np.arange(T, dtype=np.int32)  # [B, K, T]
+    subset = lambda slots: (slots < 5) | ((slots >= 20) & (slots < 40))
+    out, lse, subset_lse = jax.jit(lambda *a: blocked_attention(*a, window, scale, jnp.asarray(keep), subset=subset))(
+        q, k, v, jnp.asarray(filled), k_new, v_new, jnp.asarray(query_slots))
+
+    for b in range(B):
+        for h in range(K):
+            cache_slots = np.arange(C)
+            keys = np.concatenate([k[b, h, :filled[b, h]], k_new[b, h]]).astype(np.float64)
+            values = np.concatenate([v[b, h, :filled[b, h]], v_new[b, h]]).astype(np.float64)
+            slots = np.concatenate([cache_slots[:filled[b, h]], query_slots[b, h]])
+            in_subset = np.concatenate([subset(cache_slots[:filled[b, h]]), np.ones(T, bool)])
+            kept = np.concatenate([keep[b, h, :filled[b, h]], np.ones(T, bool)])
+            visible = (slots[None, :] <= query_slots[b, h][:, None]) & kept[None, :]  # [T, S]
+            if window is not None:
+                visible &= query_slots[b, h][:, None] - slots[None, :] < window
+            logits = np.einsum("tgh,sh->gts", q[b, :, h].astype(np.float64), keys) * scale  # [G, T, S]
+            weights = np.where(visible, np.exp(logits - logits.max(-1, keepdims=True)), 0.0)
+            top = logits.max(-1)
+            expected_lse = top + np.log(weights.sum(-1))
+            expected_subset = top + np.log(np.where(in_subset, weights, 0.0).sum(-1))
+            expected_out = np.einsum("gts,sh->tgh", weights / weights.sum(-1, keepdims=True), values)
+            np.testing.assert_allclose(np.asarray(out)[b, :, h], expected_out, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(lse)[b, h], expected_lse, atol=1e-5)
+            np.testing.assert_allclose(np.asarray(subset_lse)[b, h], expected_subset, atol=1e-5)

@@ -21,7 +21,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
-from kvzip_jax.models.attention import AttentionView, map_key_blocks
+from kvzip_jax.models.attention import MASK_VALUE, AttentionView, map_key_blocks
 from kvzip_jax.models.transformer import forward
 
 DEFAULT_CHUNK = 2048
@@ -65,28 +65,32 @@ class RereadObserver:
         qm = (view.q.astype(jnp.float32) * view.scale).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
         chunk_k = _columns(view.k, self.chunk_start, m, axis=2).astype(jnp.float32)  # [B, K, m, H]
         chunk_v = _columns(view.v, self.chunk_start, m, axis=2).astype(jnp.float32)
-        lse = None
+        real_row = (jnp.arange(T) < self.num_valid[:, None])[:, None, None, :]  # [B, 1, 1, T]
+        query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :]  # [B, 1, 1, T]
+        query_norm = jnp.where(real_row, query_norm, 1.0)  # padding rows are masked below; never divide by 0
+        # One offset b_t per row: max_t exp(s_t - lse_t) / |h_t| = exp(max_t (s_t + b_t)) with b_t = -lse_t - log |h_t|,
+        # the max over reread rows before exp, so exp runs once per key; padding rows get b_t = MASK_VALUE and never
+        # win the max.
+        bias = jnp.zeros((B, K, G, T), jnp.float32)
         if self.variant == "softmax":
-            lse = view.lse if self.whole_cache else view.subset_lse  # [B, K, G, T] over [prefix | chunk | reread]
-        real_row = (jnp.arange(T) < self.num_valid[:, None])[:, None, None, :, None]  # [B, 1, 1, T, 1]
-        query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :, None]  # [B,1,1,T,1]
+            bias = -(view.lse if self.whole_cache else view.subset_lse)  # over [prefix | chunk | reread]
+            if self.kvzip_plus:
+                bias = bias - jnp.log(query_norm)
+        elif self.kvzip_plus:
+            qm = qm / query_norm[..., None]
+        bias = jnp.where(real_row, bias, MASK_VALUE)
         o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
 
         def block_scores(kb, vb):  # keys, values [B, K, S, H] -> [B, K, S]
-            # max_t exp(s_t - lse_t) / |h_t| = exp(max_t (s_t - lse_t - log |h_t|)): the max over reread rows comes
-            # first, so exp runs once per key, not once per (row, key). |W_O v| >= 0 scales after the max.
-            stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb)  # logits
-            if lse is not None:
-                stat = stat - lse[..., None]
-                if self.kvzip_plus:
-                    stat = stat - jnp.log(query_norm)
-            elif self.kvzip_plus:
-                stat = stat / query_norm
-            stat = jnp.where(real_row, stat, -jnp.inf).max(axis=3)  # [B, K, G, S]
-            if lse is not None:
-                stat = jnp.exp(stat)  # attention weights over the scoring key set
-            if self.kvzip_plus:
-                stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
+            stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb) + bias[..., None]  # logits + row offsets
+            if not self.kvzip_plus:
+                stat = stat.max(axis=(2, 3))  # [B, K, S]
+                return jnp.exp(stat) if self.variant == "softmax" else stat
+            stat = stat.max(axis=3)  # [B, K, G, S]
+            if self.variant == "softmax":
+                stat = jnp.exp(stat)  # attention weights over the scoring key set, / |h|
+            # |W_O v| >= 0 scales after the max over rows.
+            stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
             return stat.max(axis=2)
 
         return map_key_blocks(block_scores, (chunk_k, 2), (chunk_v, 2))  # [B, K, m]
