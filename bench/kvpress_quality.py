@@ -4,7 +4,7 @@ quality table (full cache vs KVzipPress at one ratio, every question asked of on
 Run with the kvpress venv (bash bench/setup_kvpress_venv.sh), never with the project's venv:
 
     .venv-kvpress/bin/python bench/kvpress_quality.py --gguf checkpoints/_gguf/qwen2.5-coder-0.5b-instruct.gguf \\
-        [--ratio 0.3] [--instruction kvzip|none|TEXT] [--max-new-tokens 32]
+        [--ratio 0.3] [--instruction kvzip|none|TEXT] [--max-new-tokens 32] [--contexts incident,museum]
 
 Model: transformers float32 on CPU (sdpa), loaded as in kvpress_peer.py. For each bundled context
 (kvzip_jax/data/quality/*.json) kvpress's "kv-press-text-generation" pipeline answers its six questions
@@ -50,7 +50,13 @@ def main() -> int:
     p.add_argument("--instruction", default="kvzip", help='"kvzip" (KVzip\'s task instruction), "none", or any text')
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--contexts", help="comma-separated context names (default: all bundled)")
     args = p.parse_args()
+    paths = {os.path.splitext(os.path.basename(x))[0]: x for x in glob.glob(os.path.join(DATA, "quality", "*.json"))}
+    wanted = sorted(paths) if not args.contexts else [c.strip() for c in args.contexts.split(",")]
+    unknown = sorted(set(wanted) - set(paths))
+    if unknown:
+        p.error(f"unknown context(s) {', '.join(unknown)}; bundled: {', '.join(sorted(paths))}")
     if not 0 < args.ratio <= 1:
         p.error(f"--ratio must lie in (0, 1], got {args.ratio}")
     instruction = {"kvzip": KVZIP_INSTRUCTION, "none": None}.get(args.instruction, args.instruction)
@@ -65,9 +71,8 @@ def main() -> int:
     log(f"ratio {args.ratio}; instruction {instruction!r}")
 
     records = []
-    for path in sorted(glob.glob(os.path.join(DATA, "quality", "*.json"))):
-        name = os.path.splitext(os.path.basename(path))[0]
-        with open(path, encoding="utf-8") as f:
+    for name in wanted:
+        with open(paths[name], encoding="utf-8") as f:
             item = json.load(f)
         context = item["context"].strip() if instruction is None else instruction + "\n\n" + item["context"].strip()
         questions = ["\n\n" + q["question"] for q in item["questions"]]
