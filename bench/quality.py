@@ -3,6 +3,7 @@
     python bench/quality.py [--model qwen2.5-coder-0.5b-instruct] [--ratios 1.0,0.9,0.7,0.5,0.3,0.2,0.1]
                             [--level pair[,layer,...]] [--max-new-tokens 32] [--contexts incident,museum]
                             [--chunk-size N] [--json-out FILE] [--instruction kvzip|none|TEXT]
+                            [--variant softmax|logits] [--kvzip-plus]
 
 Each bundled context (kvzip_jax/data/quality/*.json: ~1,500 tokens of prose carrying codes, names, places and
 numbers, six questions each) is prefilled once, after KVzip's task instruction ("Given the context, answer to the
@@ -88,10 +89,12 @@ def _progress(total: int):
 
 def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), max_new_tokens: int = 32,
                 progress=None, chunk_size: int | None = None,
-                instruction: str | None = prompts.KVZIP_INSTRUCTION) -> tuple[list[Record], dict]:
+                instruction: str | None = prompts.KVZIP_INSTRUCTION,
+                scoring: kvzip.KVzipConfig = kvzip.KVzipConfig()) -> tuple[list[Record], dict]:
     """Prefills one context once (after KVzip's task instruction, in the never-evicted prefix; None: none), scores
-    it once (reread chunks of chunk_size tokens; None: the library's default), and answers all its questions from
-    the full cache and from the masked cache of every (level, ratio). Returns (records, timings in seconds)."""
+    it once (reread chunks of chunk_size tokens; None: the library's default; score variant and KVzip+ from
+    `scoring`), and answers all its questions from the full cache and from the masked cache of every (level, ratio).
+    Returns (records, timings in seconds)."""
     tok, cfg, params = model.tokenizer, model.cfg, model.params
     questions = item["questions"]
     context, suffixes = prompts.split_for_reuse(tok, item["context"], [q["question"] for q in questions],
@@ -107,7 +110,7 @@ def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), m
     start = time.perf_counter()
     chunking = {} if chunk_size is None else {"chunk_size": chunk_size}
     reread = kvzip.reread_inputs(tok, [context.context_start], [context.ids()[context.context_slice]], **chunking)
-    masked, scores = jax.jit(kvzip.score_and_evict)(params, cfg, cache, reread, 1.0)
+    masked, scores = jax.jit(kvzip.score_and_evict)(params, cfg, cache, reread, 1.0, scoring)
     jax.block_until_ready(scores)
     del masked
     timings["score_s"] = time.perf_counter() - start
@@ -199,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instruction", default="kvzip",
                         help='the task instruction before each context: "kvzip" (KVzip\'s: "'
                              f'{prompts.KVZIP_INSTRUCTION}"), "none", or any text')
+    parser.add_argument("--variant", default="softmax", choices=kvzip.VARIANTS,
+                        help="score variant: softmax (KVzip) or logits (the paper's softmax-free variant)")
+    parser.add_argument("--kvzip-plus", action="store_true", help="KVzip+ normalisation of the scores")
     args = parser.parse_args(argv)
     instruction = prompts.named_instruction(args.instruction)
+    scoring = kvzip.KVzipConfig(variant=args.variant, kvzip_plus=args.kvzip_plus)
 
     ratios = tuple(float(r) for r in args.ratios.split(","))
     levels = tuple(level.strip() for level in args.level.split(","))
@@ -216,13 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {model.name} loaded in {time.perf_counter() - wall:.1f} s (jax {jax.__version__}, "
           f"{jax.default_backend()}); {len(contexts)} contexts; levels {', '.join(levels)}; "
           f"ratios {', '.join(f'{r:g}' for r in ratios)}; max {args.max_new_tokens} new tokens; reread chunk "
-          f"{args.chunk_size or 'default'}; instruction {instruction!r}", flush=True)
+          f"{args.chunk_size or 'default'}; instruction {instruction!r}; scores {args.variant}"
+          f"{' with KVzip+' if args.kvzip_plus else ''}", flush=True)
     total = sum(len(item["questions"]) for item in contexts.values()) * (1 + len(levels) * len(ratios))
     progress = _progress(total)
     records = []
     for name, item in contexts.items():
         rows, t = run_context(model, name, item, ratios, levels, args.max_new_tokens, progress, args.chunk_size,
-                              instruction)
+                              instruction, scoring)
         records += rows
         full = [r for r in rows if r.level == FULL]
         print(f"\n{name}: {t['context_tokens']} context tokens; prefill {t['prefill_s']:.1f} s, KVzip scoring "
