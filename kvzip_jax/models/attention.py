@@ -205,10 +205,14 @@ def _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window):
 
 
 def tile_width(rows_per_token: int, T: int, largest: int = 256, smallest: int = 64) -> int:
-    """Square tile side for causal attention among T new tokens: a power of two in [smallest, largest] whose
-    [rows_per_token x side] queries x [side] keys weights fit BLOCK_ELEMENTS, at most T."""
-    fit = max(int((BLOCK_ELEMENTS // max(rows_per_token, 1)) ** 0.5), 1)
-    return int(min(max(1 << (fit.bit_length() - 1), smallest), largest, T))
+    """Side of the square tiles of causal attention among T new tokens: the power of two in [smallest, largest]
+    (at most T) whose [rows_per_token x side] query rows x [side] keys weights fit BLOCK_ELEMENTS."""
+    return min(_power_of_two_at_most(math.isqrt(BLOCK_ELEMENTS // max(rows_per_token, 1)), smallest, largest), T)
+
+
+def _power_of_two_at_most(n: int, smallest: int, largest: int) -> int:
+    """The largest power of two <= n, clipped to [smallest, largest]."""
+    return min(max(1 << (max(n, 1).bit_length() - 1), smallest), largest)
 
 
 def _finish(state, q):
@@ -222,11 +226,10 @@ def _finish(state, q):
 
 
 def key_block(rows: int, largest: int = 256, smallest: int = 64) -> int:
-    """Keys per online-softmax block for `rows` = B K M query rows: a power of two in [smallest, largest] that
-    keeps one block's [rows x keys] weights within BLOCK_ELEMENTS (they stay in the CPU's cache between the ops that
-    read them: the scoring reread's 6,336 rows per KV head run ~1.5x faster at 64 keys than at 256)."""
-    fit = max(BLOCK_ELEMENTS // max(rows, 1), 1)
-    return int(min(max(1 << (fit.bit_length() - 1), smallest), largest))
+    """Keys per online-softmax block for `rows` = B K M query rows: the power of two in [smallest, largest] that
+    keeps one block's [rows x keys] weights within BLOCK_ELEMENTS, so they stay in the CPU's cache between the ops
+    that read them (64 keys for the KVzip reread's 6,336 rows per KV head, 256 for prefill chunks and decode)."""
+    return _power_of_two_at_most(BLOCK_ELEMENTS // max(rows, 1), smallest, largest)
 
 
 def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | None, scale: float,
