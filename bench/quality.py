@@ -3,7 +3,7 @@
     python bench/quality.py [--model qwen2.5-coder-0.5b-instruct] [--ratios 1.0,0.9,0.7,0.5,0.3,0.2,0.1]
                             [--level pair[,layer,...]] [--max-new-tokens 32] [--contexts incident,museum]
                             [--chunk-size N] [--json-out FILE] [--instruction kvzip|none|TEXT]
-                            [--variant softmax|logits] [--kvzip-plus]
+                            [--variant softmax|logits] [--kvzip-plus] [--oracle]
 
 Each bundled context (kvzip_jax/data/quality/*.json: ~1,500 tokens of prose carrying codes, names, places and
 numbers, six questions each) is prefilled once, after KVzip's task instruction ("Given the context, answer to the
@@ -12,8 +12,15 @@ evaluation), and scored once by KVzip. For every level and ratio, the scores giv
 serves all questions of the context (greedy answers), and each answer is recorded: correct (the expected answer
 occurs in it, case-insensitive) and equal to the full-cache answer (same text). Prints a Markdown table per ratio
 (accuracy, full-cache accuracy, answers equal to the full-cache ones) and one per context. Ratio is the fraction of
-context KV pairs kept. Run it with kvzip-jax installed (`make test` does) or with PYTHONPATH set to the repository
-root.
+context KV pairs kept.
+
+--oracle adds two question-aware upper bounds, each evicting per question (so no cache is shared between questions):
+the same max-attention score as KVzip's, with pair-level eviction, but observed while the model reads the question
+("oracle-q", a SnapKV-like choice without pooling) or the question followed by the full cache's own answer,
+teacher-forced ("oracle-qa": the pairs the model attends to most while it gives the full-cache answer). They
+indicate how close attention-based eviction at a ratio can come to the full cache's answers on this model.
+
+Run it with kvzip-jax installed (`make test` does) or with PYTHONPATH set to the repository root.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
@@ -40,6 +48,7 @@ from kvzip_jax.weights import registry
 
 RATIOS = (1.0, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1)
 FULL = "full"  # the level label of answers from the uncompressed cache
+ORACLES = {"oracle-q": False, "oracle-qa": True}  # level label -> whether the full-cache answer is observed too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +96,27 @@ def _progress(total: int):
     return tqdm(total=total, unit="answer", file=sys.stderr, dynamic_ncols=True)
 
 
+def observed_span_inputs(tokens, prefix_len: int, context_len: int) -> kvzip.RereadInputs:
+    """Scoring inputs that observe one span of tokens [T] in place of the reread, with the whole context as one
+    chunk: kvzip.score then gives every context pair the max attention it receives from that span."""
+    tokens = np.asarray(tokens, np.int32)
+    width = -(-len(tokens) // 64) * 64
+    padded = np.zeros((1, 1, width), np.int32)
+    padded[0, 0, :len(tokens)] = tokens
+    one = lambda x: jnp.asarray([x], jnp.int32)
+    return kvzip.RereadInputs(tokens=jnp.asarray(padded), num_valid=one([len(tokens)]), chunk_start=one([prefix_len]),
+                              chunk_len=one([context_len]), prefix_len=one(prefix_len), context_len=one(context_len),
+                              chunk_size=-(-context_len // 64) * 64)
+
+
 def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), max_new_tokens: int = 32,
                 progress=None, chunk_size: int | None = None,
                 instruction: str | None = prompts.KVZIP_INSTRUCTION,
-                scoring: kvzip.KVzipConfig = kvzip.KVzipConfig()) -> tuple[list[Record], dict]:
+                scoring: kvzip.KVzipConfig = kvzip.KVzipConfig(), oracle: bool = False) -> tuple[list[Record], dict]:
     """Prefills one context once (after KVzip's task instruction, in the never-evicted prefix; None: none), scores
     it once (reread chunks of chunk_size tokens; None: the library's default; score variant and KVzip+ from
     `scoring`), and answers all its questions from the full cache and from the masked cache of every (level, ratio).
-    Returns (records, timings in seconds)."""
+    oracle: also the question-aware upper bounds of ORACLES (module docstring). Returns (records, timings in s)."""
     tok, cfg, params = model.tokenizer, model.cfg, model.params
     questions = item["questions"]
     context, suffixes = prompts.split_for_reuse(tok, item["context"], [q["question"] for q in questions],
@@ -116,24 +138,31 @@ def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), m
     timings["score_s"] = time.perf_counter() - start
     evictable = evictable_layers(cfg)
 
+    def answer(work, i, level, ratio, full_answers):
+        """Answers question i from `work` (donated); returns (record, answer tokens, the cache back)."""
+        qa = questions[i]
+        t0 = time.perf_counter()
+        tokens, work = gen.ask(params, cfg, work, suffixes[i], max_new_tokens, stop_tokens=stops)
+        seconds = time.perf_counter() - t0
+        text = tok.decode([t for t in tokens if t not in stops]).strip()
+        if progress is not None:
+            progress.update(1)
+        record = Record(name, qa["question"], qa["answer"], level, ratio, text, qa["answer"].lower() in text.lower(),
+                        full_answers is None or text == full_answers[i], len(tokens), seconds)
+        return record, tokens, work
+
     def answer_all(one_cache, level, ratio, full_answers):
         # gen.ask donates its cache: work on a copy so that `cache` (shared by every masked view) survives.
         work = jax.tree.map(jnp.copy, one_cache)
-        out = []
-        for i, (qa, suffix) in enumerate(zip(questions, suffixes)):
-            t0 = time.perf_counter()
-            answer, work = gen.ask(params, cfg, work, suffix, max_new_tokens, stop_tokens=stops)
-            seconds = time.perf_counter() - t0
-            text = tok.decode([t for t in answer if t not in stops]).strip()
-            out.append(Record(name, qa["question"], qa["answer"], level, ratio, text,
-                              qa["answer"].lower() in text.lower(),
-                              full_answers is None or text == full_answers[i], len(answer), seconds))
-            if progress is not None:
-                progress.update(1)
-        return out
+        out, tokens = [], []
+        for i in range(len(questions)):
+            record, answer_tokens, work = answer(work, i, level, ratio, full_answers)
+            out.append(record)
+            tokens.append(answer_tokens)
+        return out, tokens
 
     start = time.perf_counter()
-    records = answer_all(cache, FULL, None, None)
+    records, full_tokens = answer_all(cache, FULL, None, None)
     full_answers = [r.answer for r in records]
     for level in levels:
         for ratio in ratios:
@@ -141,8 +170,23 @@ def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), m
                 progress.set_postfix_str(f"{name} {level} {ratio}")
             keep = kvzip.keep_mask(scores, reread.context_len, ratio, level, evictable)
             view = kv.mask_context(cache, keep, reread.prefix_len, reread.context_len)
-            records += answer_all(view, level, ratio, full_answers)
+            records += answer_all(view, level, ratio, full_answers)[0]
     timings["answers_s"] = time.perf_counter() - start
+    if oracle:
+        start = time.perf_counter()
+        observe = jax.jit(kvzip.score, static_argnums=1)
+        for label, with_answer in ORACLES.items():
+            if progress is not None:
+                progress.set_postfix_str(f"{name} {label}")
+            for i, suffix in enumerate(suffixes):
+                span = np.concatenate([suffix, np.asarray(full_tokens[i], np.int32)]) if with_answer else suffix
+                seen = observed_span_inputs(span, context.context_start, timings["context_tokens"])
+                span_scores = observe(params, cfg, cache, seen)
+                for ratio in ratios:
+                    keep = kvzip.keep_mask(span_scores, seen.context_len, ratio, "pair", evictable)
+                    view = kv.mask_context(cache, keep, seen.prefix_len, seen.context_len)
+                    records.append(answer(jax.tree.map(jnp.copy, view), i, label, ratio, full_answers)[0])
+        timings["oracle_s"] = time.perf_counter() - start
     return records, timings
 
 
@@ -205,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="softmax", choices=kvzip.VARIANTS,
                         help="score variant: softmax (KVzip) or logits (the paper's softmax-free variant)")
     parser.add_argument("--kvzip-plus", action="store_true", help="KVzip+ normalisation of the scores")
+    parser.add_argument("--oracle", action="store_true",
+                        help="also the question-aware upper bounds oracle-q and oracle-qa (pair level, one eviction "
+                             "per question; see above)")
     args = parser.parse_args(argv)
     instruction = prompts.named_instruction(args.instruction)
     scoring = kvzip.KVzipConfig(variant=args.variant, kvzip_plus=args.kvzip_plus)
@@ -225,21 +272,23 @@ def main(argv: list[str] | None = None) -> int:
           f"ratios {', '.join(f'{r:g}' for r in ratios)}; max {args.max_new_tokens} new tokens; reread chunk "
           f"{args.chunk_size or 'default'}; instruction {instruction!r}; scores {args.variant}"
           f"{' with KVzip+' if args.kvzip_plus else ''}", flush=True)
-    total = sum(len(item["questions"]) for item in contexts.values()) * (1 + len(levels) * len(ratios))
+    rows_per_question = 1 + (len(levels) + (len(ORACLES) if args.oracle else 0)) * len(ratios)
+    total = sum(len(item["questions"]) for item in contexts.values()) * rows_per_question
     progress = _progress(total)
     records = []
     for name, item in contexts.items():
         rows, t = run_context(model, name, item, ratios, levels, args.max_new_tokens, progress, args.chunk_size,
-                              instruction, scoring)
+                              instruction, scoring, args.oracle)
         records += rows
         full = [r for r in rows if r.level == FULL]
+        seconds = t["answers_s"] + t.get("oracle_s", 0)
         print(f"\n{name}: {t['context_tokens']} context tokens; prefill {t['prefill_s']:.1f} s, KVzip scoring "
-              f"{t['score_s']:.1f} s (both including any compilation), {len(rows)} answers in "
-              f"{t['answers_s']:.1f} s; full cache {sum(r.correct for r in full)}/{len(full)} right", flush=True)
+              f"{t['score_s']:.1f} s (both including any compilation), {len(rows)} answers in {seconds:.1f} s; "
+              f"full cache {sum(r.correct for r in full)}/{len(full)} right", flush=True)
     progress.close()
 
     print()
-    print(tables(records, ratios, levels))
+    print(tables(records, ratios, levels + (tuple(ORACLES) if args.oracle else ())))
     print(f"\nwall time {time.perf_counter() - wall:.0f} s")
     if args.json_out:
         _write_json_atomically(args.json_out, [dataclasses.asdict(r) for r in records])
