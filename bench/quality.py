@@ -42,7 +42,7 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, prompts
-from kvzip_jax.kvzip.eviction import check_ratio
+from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import evictable_layers
 from kvzip_jax.weights import registry
 

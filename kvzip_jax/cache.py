@@ -9,6 +9,11 @@ Compressed forms: a masked cache is the same arrays plus `keep: [B, K, C]` (mask
 (pack) stores each layer as one flat `[B, S, H]` store of per-KV-head segments with `offsets: [B, K]`
 (RaggedLayerCache), so its bytes follow the pairs each head keeps.
 
+A full cache: every head has a fixed room (the capacity of a dense layer, its segment of a ragged one). `write`
+stores what fits and drops the rest, so `lengths` never exceed a head's room and no head writes into another's
+segment. Callers check first: prefill and ask raise ContextTooLongError before writing tokens that do not fit,
+and the decode loop ends a row whose cache is full (room() == 0) while the other rows go on.
+
 Einsum legend: B batch, K KV heads, C cache capacity (slots), S ragged store slots, H head dim, T new tokens.
 """
 
@@ -107,11 +112,12 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
     """Writes the first num_new [B] of k_new, v_new [B, K, T, H] at each head's filled length.
 
     Padding rows (t >= num_new) are dropped, never written, so neither a finished row of a batch nor a cache
-    with less spare room than the padded width loses pairs.
+    with less spare room than the padded width loses pairs. Rows past a head's room are dropped too, and the
+    lengths count only what was stored (at most the head's room; see the module docstring on full caches).
     """
     if isinstance(layer, RaggedLayerCache):
         return _write_ragged(layer, k_new, v_new, num_new)
-    T = k_new.shape[2]
+    T, C = k_new.shape[2], layer.capacity
 
     def write_head(cache_kh, new_kh, start, count):  # [C, H], [T, H], [], []
         C = cache_kh.shape[0]
@@ -131,7 +137,7 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
     return LayerCache(
         k=write_all(layer.k, k_new, layer.lengths, num_new),
         v=write_all(layer.v, v_new, layer.lengths, num_new),
-        lengths=layer.lengths + num_new[:, None].astype(jnp.int32),
+        lengths=jnp.minimum(layer.lengths + num_new[:, None].astype(jnp.int32), C),
         keep=layer.keep,  # slots past the context are kept (True) in a masked cache
     )
 
@@ -139,12 +145,13 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
 def _write_ragged(layer: RaggedLayerCache, k_new, v_new, num_new) -> RaggedLayerCache:
     B, K, T, H = k_new.shape
     rows = jnp.arange(T, dtype=jnp.int32)
+    room = layer.head_capacity() - layer.lengths  # [B, K]
+    stored = jnp.minimum(num_new[:, None].astype(jnp.int32), room)  # [B, K] new pairs each head can take
     slots = layer.offsets[..., None] + layer.lengths[..., None] + rows  # [B, K, T] store slot of each new pair
-    slots = jnp.where(rows < num_new[:, None, None], slots, layer.k.shape[1])  # padding aims past the end: dropped
+    slots = jnp.where(rows < stored[..., None], slots, layer.k.shape[1])  # padding and overflow aim past the end
     batch = jnp.arange(B)[:, None, None]
     put = lambda store, new: store.at[batch, slots].set(new.astype(store.dtype), mode="drop")
-    return dataclasses.replace(layer, k=put(layer.k, k_new), v=put(layer.v, v_new),
-                               lengths=layer.lengths + num_new[:, None].astype(jnp.int32))
+    return dataclasses.replace(layer, k=put(layer.k, k_new), v=put(layer.v, v_new), lengths=layer.lengths + stored)
 
 
 def nbytes(cache: KVCache) -> int:

@@ -163,7 +163,7 @@ def _compress(args: argparse.Namespace) -> int:
     from kvzip_jax import cache as kv
     from kvzip_jax import generate as gen
     from kvzip_jax import prompts
-    from kvzip_jax.kvzip.eviction import check_ratio
+    from kvzip_jax.kvzip.budget import check_ratio
     from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
     from kvzip_jax.weights import registry
 

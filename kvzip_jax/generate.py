@@ -139,10 +139,11 @@ def _decode_loop(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new, s
 
     def cond(state):
         step, _, done, cache, _, _ = state
-        return (step < max_new) & ~jnp.all(done) & jnp.all(cache.room() > 0)
+        return (step < max_new) & ~jnp.all(done | (cache.room() <= 0))
 
     def body(state):
         step, out, done, cache, logits, key = state
+        done = done | (cache.room() <= 0)  # a row whose cache is full ends; the others go on
         key, sub = jax.random.split(key)
         token = sample(logits, sampling, sub)  # [B]
         token = jnp.where(done, 0, token)
@@ -164,8 +165,8 @@ def decode(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new_tokens: 
 
     Returns (tokens list per row, cache), plus with return_logits the logits [B, V] after each row's last fed
     token (where decoding would go on; meaningless for a stopped row). A row stops after emitting one of
-    stop_tokens (kept in its output, not fed); generation also stops when the cache is full. The given cache is
-    donated.
+    stop_tokens (kept in its output, not fed); a row also stops when its cache is full, while the other rows go
+    on. The given cache is donated.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")

@@ -16,7 +16,8 @@ from kvzip_jax.baselines.pyramidkv import pyramid_budgets
 from kvzip_jax.baselines.snapkv import snapkv_scores, window_sizes
 from kvzip_jax.baselines.streaming import streaming_scores
 from kvzip_jax.config import ModelConfig, RopeSpec
-from kvzip_jax.kvzip.eviction import RatioError, keep_mask
+from kvzip_jax.kvzip.budget import RatioError
+from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.models.params import init_params
 from tests.test_kvzip_score import numpy_queries_and_keys
 

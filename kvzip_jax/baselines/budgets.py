@@ -9,19 +9,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvzip_jax.kvzip.eviction import _top_counts
-
-
-def floor_count(x: jax.Array) -> jax.Array:
-    """floor as int32, a hair above the product so that ratio x count landing on an integer is not lost to
-    float32 rounding (eviction.keep_mask's rule)."""
-    return jnp.floor(x * (1 + 1e-6)).astype(jnp.int32)
+from kvzip_jax.kvzip.budget import kept_count, top_counts
 
 
 def uniform_layer_counts(ratio, context_len: jax.Array, num_layers: int, num_kv_heads: int) -> jax.Array:
     """counts [L, B] int32: floor(ratio x K x context_len) in every layer (keep_mask's level "layer")."""
-    ratio = jnp.asarray(ratio, jnp.float32)
-    per_layer = floor_count(ratio * num_kv_heads * context_len.astype(jnp.float32))  # [B]
+    per_layer = kept_count(ratio, num_kv_heads * context_len.astype(jnp.int32))  # [B]
     return jnp.broadcast_to(per_layer[None, :], (num_layers,) + per_layer.shape)
 
 
@@ -31,5 +24,5 @@ def keep_by_layer(scores: jax.Array, context_len: jax.Array, counts: jax.Array) 
     L, B, K, n = scores.shape
     in_context = jnp.arange(n) < context_len[:, None]  # [B, n]
     scores = jnp.where(in_context[None, :, None, :], scores.astype(jnp.float32), -jnp.inf)
-    keep = _top_counts(scores.reshape(L, B, K * n), counts).reshape(L, B, K, n)
+    keep = top_counts(scores.reshape(L, B, K * n), counts).reshape(L, B, K, n)
     return keep & in_context[None, :, None, :]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvzip_jax.baselines.budgets import floor_count
+from kvzip_jax.kvzip.budget import kept_count
 
 BETA = 20.0
 
@@ -32,7 +32,7 @@ def pyramid_budgets(ratio, context_len: jax.Array, num_layers: int, num_kv_heads
 def _row_budgets(ratio: jax.Array, n: jax.Array, L: int, K: int, beta: float) -> jax.Array:
     """[L] int32 budgets of one row with n context tokens."""
     cap = K * n  # pairs of one layer
-    total = jnp.minimum(floor_count(ratio * L * K * n.astype(jnp.float32)), L * cap)  # keep_mask "pair"'s total
+    total = jnp.minimum(kept_count(ratio, L * K * n), L * cap)  # keep_mask "pair"'s total
     avg = ratio * cap.astype(jnp.float32)
     top, bottom = avg * (2 - 1 / beta), avg / beta
     ideal = top - jnp.arange(L, dtype=jnp.float32) * ((top - bottom) / max(L - 1, 1))  # [L] non-increasing

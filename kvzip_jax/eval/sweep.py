@@ -29,7 +29,7 @@ from kvzip_jax import generate as gen
 from kvzip_jax.eval import answering, metrics, sharding
 from kvzip_jax.eval.results import ResultsFile
 from kvzip_jax.eval.tasks.base import Example
-from kvzip_jax.kvzip.eviction import check_ratio
+from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
 
 MODES = ("reuse", "first", "oracle")

@@ -1,12 +1,13 @@
 """KVzip: query-agnostic KV-cache compression by context reconstruction (arXiv 2505.23416)."""
 
+from kvzip_jax.kvzip.budget import RatioError, kept_count
 from kvzip_jax.kvzip.compress import KVzipConfig, score_and_evict
-from kvzip_jax.kvzip.eviction import LEVELS, RatioError, keep_mask
+from kvzip_jax.kvzip.eviction import LEVELS, keep_mask
 from kvzip_jax.kvzip.head_level import HeadScoresError, head_keep, head_scores, load_head_scores, save_head_scores
 from kvzip_jax.kvzip.scoring import VARIANTS, RereadInputs, reread_inputs, score
 
 evict = keep_mask
 
 __all__ = ["LEVELS", "VARIANTS", "HeadScoresError", "KVzipConfig", "RatioError", "RereadInputs", "evict", "head_keep",
-           "head_scores", "keep_mask", "load_head_scores", "reread_inputs", "save_head_scores", "score",
+           "head_scores", "keep_mask", "kept_count", "load_head_scores", "reread_inputs", "save_head_scores", "score",
            "score_and_evict"]
