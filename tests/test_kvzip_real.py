@@ -59,35 +59,37 @@ def torch_scores(model, prefix_len, context_len, cache, reread_rows, chunk_size)
 
 
 @pytest.fixture(scope="module")
-def smollm2_scores(smollm2_gguf):
+def smollm2(smollm2_gguf):
+    """SmolLM2 in both frameworks with a 1,500-token context prefilled: (tokenizer, prompt, our params and cache, the
+    transformers model and its cache)."""
     tok = tokenizer_from_gguf(smollm2_gguf)
     context_ids = prompts.encode_text(tok, DOCUMENT)[:1500]
-    context_text = tok.decode(context_ids)
-    prompt, _ = prompts.split_for_reuse(tok, context_text, [])
-    prefix_len, n = prompt.context_start, prompt.context_end - prompt.context_start
-    reread = kvzip.reread_inputs(tok, [prefix_len], [prompt.ids()[prompt.context_slice]], chunk_size=CHUNK)
-
+    prompt, _ = prompts.split_for_reuse(tok, tok.decode(context_ids), [])
     cfg, params = params_from_gguf(smollm2_gguf)
     params = jax.tree.map(jnp.asarray, params)
     _, cache = gen.prefill(params, cfg, [prompt.ids()[:prompt.context_end]])
-    ours = np.asarray(jax.jit(kvzip.score)(params, cfg, cache, reread))[:, 0, :, :n]
-
     model = transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="kvzip_probe")
     with torch.no_grad():
         out = model(torch.tensor(prompt.ids()[None, :prompt.context_end], dtype=torch.long), use_cache=True)
+    return tok, prompt, cfg, params, cache, model, out.past_key_values
+
+
+# 512: three chunks, each normalised over [prefix | chunk | reread]; 2,048: one chunk, the forward's own normaliser.
+@pytest.mark.parametrize("chunk", [512, 2048])
+def test_smollm2_scores_match_an_independent_torch_computation(smollm2, chunk):
+    tok, prompt, cfg, params, cache, model, torch_cache = smollm2
+    prefix_len, n = prompt.context_start, prompt.context_end - prompt.context_start
+    reread = kvzip.reread_inputs(tok, [prefix_len], [prompt.ids()[prompt.context_slice]], chunk_size=chunk)
+    assert reread.tokens.shape[0] == -(-n // chunk)
+    ours = np.asarray(jax.jit(kvzip.score)(params, cfg, cache, reread))[:, 0, :, :n]
     rows = [np.asarray(reread.tokens[t, 0, :int(reread.num_valid[t, 0])]) for t in range(reread.tokens.shape[0])]
-    theirs = torch_scores(model, prefix_len, n, out.past_key_values, rows, CHUNK)
-    return ours, theirs
-
-
-def test_smollm2_scores_match_an_independent_torch_computation(smollm2_scores):
-    ours, theirs = smollm2_scores
+    theirs = torch_scores(model, prefix_len, n, torch_cache, rows, chunk)
     assert ours.shape == theirs.shape and ours.shape[-1] >= 1400
     assert not np.isnan(theirs).any()
     np.testing.assert_allclose(ours, theirs, atol=1e-4)
     budget = int(0.3 * ours.size)
     top = lambda s: set(np.argsort(-s.ravel(), kind="stable")[:budget].tolist())
     overlap = len(top(ours) & top(theirs)) / budget
-    print(f"max abs diff {np.abs(ours - theirs).max():.2e}, top-30% overlap {overlap:.4f}")
+    print(f"chunk {chunk}: max abs diff {np.abs(ours - theirs).max():.2e}, top-30% overlap {overlap:.4f}")
     assert overlap >= 0.99, f"top-30% kept sets overlap {overlap:.4f}"

@@ -139,3 +139,25 @@ def test_variants_equal_the_numpy_oracle(variant, kvzip_plus, chunk_size):
     ours = np.asarray(jax.jit(kvscore.score, static_argnums=(4, 5))(params, cfg, cache, inputs, variant, kvzip_plus))
     expected = oracle_scores(params, cfg, prefix, context, rereads, chunk_size, variant, kvzip_plus)
     np.testing.assert_allclose(ours[:, 0, :, :30], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_scoring_a_cache_that_still_holds_a_question_is_a_named_error():
+    """One-chunk scoring normalises over everything the cache holds: a question left in it would change the scores,
+    so it is refused, eagerly and under jit, and accepted again once rewound."""
+    from kvzip_jax import cache as kv
+    from kvzip_jax import kvzip
+
+    cfg = tiny_config(2)
+    params = init_params(cfg, seed=1, scale=0.15)
+    rng = np.random.default_rng(5)
+    prefix, context = rng.integers(0, cfg.vocab_size, 4), rng.integers(0, cfg.vocab_size, 23)
+    _, cache = gen.prefill(params, cfg, [np.concatenate([prefix, context])], capacity=64)
+    inputs, _ = _inputs(cfg, prefix, context, 32)
+    clean = kv.mark(cache)
+    _, cache = gen.prefill(params, cfg, [rng.integers(0, cfg.vocab_size, 6)], cache)  # a question appended
+    with pytest.raises(kvzip.CacheLayoutError, match="row 0 of the cache holds 33 tokens"):
+        kvzip.score(params, cfg, cache, inputs)
+    with pytest.raises(Exception, match="CacheLayoutError"):
+        jax.block_until_ready(jax.jit(kvzip.score_and_evict)(params, cfg, cache, inputs, 0.3))
+    scores = jax.jit(kvzip.score)(params, cfg, kv.rewind(cache, clean), inputs)
+    assert np.isfinite(np.asarray(scores)[:, 0, :, :23]).all()

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
+from kvzip_jax.errors import KvzipError
 from kvzip_jax.models.attention import MASK_VALUE, AttentionView, map_key_blocks
 from kvzip_jax.models.transformer import forward
 
@@ -165,6 +166,38 @@ def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAU
         prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size)
 
 
+class CacheLayoutError(KvzipError, ValueError):
+    """A cache to score does not hold exactly [prefix | context] in a row (a question or answer is still in it)."""
+
+
+def check_context_cache(cache: kv.KVCache, prefix_len, context_len) -> None:
+    """Raises CacheLayoutError unless every row of the cache holds exactly prefix_len + context_len [B] tokens in
+    every layer and head, and continues at that position.
+
+    Scoring needs it: the reread continues at the cache's next position, and with one chunk the forward's own
+    normaliser (over everything the cache holds) stands for the one over [prefix | context | reread]. Under jit the
+    same check runs on the host as a callback (the error then arrives wrapped in a JaxRuntimeError).
+    """
+    lengths, position = cache.lengths(), cache.next_position  # [L, B, K], [B]
+    expected = jnp.asarray(prefix_len, jnp.int32) + jnp.asarray(context_len, jnp.int32)  # [B]
+    if any(isinstance(x, jax.core.Tracer) for x in (lengths, position, expected)):
+        jax.debug.callback(_raise_unless_context_only, lengths, position, expected)
+    else:
+        _raise_unless_context_only(lengths, position, expected)
+
+
+def _raise_unless_context_only(lengths, position, expected) -> None:
+    lengths, position, expected = np.asarray(lengths), np.asarray(position), np.asarray(expected)
+    held = lengths.max(axis=(0, 2))  # [B]
+    bad = np.flatnonzero((lengths != expected[None, :, None]).any(axis=(0, 2)) | (position != expected))
+    if bad.size:
+        b = int(bad[0])
+        raise CacheLayoutError(
+            f"row {b} of the cache holds {int(held[b])} tokens (next position {int(position[b])}), but the reread "
+            f"inputs describe [prefix | context] = {int(expected[b])} tokens: KVzip scores a cache that holds its "
+            f"context and nothing after it (rewind a question or answer first: cache.mark before, cache.rewind after)")
+
+
 def evictable_layers(cfg: ModelConfig) -> tuple[int, ...]:
     """Layers KVzip scores and evicts: the full-attention ones (Gemma 3's sliding layers keep their window)."""
     return tuple(i for i, kind in enumerate(cfg.layer_types) if kind == FULL)
@@ -175,11 +208,13 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
     """KVzip scores [L, B, K, C m] of the context pairs (context offset i is cache slot prefix_len + i).
     Layers outside evictable_layers(cfg) are not scored (zeros).
 
-    The cache must hold exactly [prefix | context] per row. It is neither modified nor copied: the reread
-    attends to it and to its own keys, and its writes are dropped. Columns past a row's context length are -inf.
+    The cache must hold exactly [prefix | context] per row (check_context_cache: CacheLayoutError otherwise). It is
+    neither modified nor copied: the reread attends to it and to its own keys, and its writes are dropped. Columns
+    past a row's context length are -inf.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    check_context_cache(cache, reread.prefix_len, reread.context_len)
     num_chunks, B, W = reread.tokens.shape
     reread_start = cache.next_position  # [B]; the cache holds [prefix | context] only
     per_chunk = []
