@@ -5,9 +5,10 @@
 
 Budget rule per method (ratio = fraction of context pairs kept):
   kvzip         one global top-k over layers and heads (eviction level "pair"; scores from kvzip.score)
-  h2o, snapkv,  the same count in every layer, free across its KV heads (budgets.uniform_layer_counts)
-  random
-  pyramidkv     linearly decreasing layer budgets (pyramidkv.pyramid_budgets), free across heads
+  h2o, snapkv,  the same count in every layer (budgets.uniform_layer_counts), shared by its KV heads with a per-head
+  random        floor (budgets.keep_by_layer); h2o's and snapkv's observation windows are kept and paid for first
+  pyramidkv     PyramidKV's layer budgets (pyramidkv.pyramid_budgets: a line over the budget minus the window, the
+                window kept in every layer), shared by the heads as above
   streamingllm  the same count in every (layer, KV head) (level "pair-uniform")
 Query-aware methods (QUERY_AWARE) observe a question appended after the context when one is given.
 
@@ -28,7 +29,8 @@ from kvzip_jax.baselines.random import random_scores
 from kvzip_jax.baselines.snapkv import snapkv_scores, window_sizes
 from kvzip_jax.baselines.streaming import streaming_scores
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.kvzip.eviction import check_ratio, keep_mask
+from kvzip_jax.kvzip.budget import check_ratio
+from kvzip_jax.kvzip.eviction import keep_mask
 
 METHODS = ("kvzip", "h2o", "snapkv", "pyramidkv", "streamingllm", "random")
 QUERY_AWARE = ("h2o", "snapkv", "pyramidkv")

@@ -1,6 +1,12 @@
-"""H2O (prefill version, as in KVCache-Factory): a pair's score is the largest attention weight it receives from
-any real query and any query head of its GQA group during the self-attention of the context (and of a question
-appended after it).
+"""H2O (heavy hitters, prefill version): a pair's score is the attention it accumulates, the sum of the float32
+softmax weights it receives from every real query row of the context (and of a question appended after it), per
+query head, then the max over the G query heads of its KV head; the last w tokens of [context | question] are a
+recent window kept whatever their score (+inf). This is KVCache-Factory's H2OKVCluster.update_kv
+(pyramidkv/pyramidkv_utils.py: attn_weights[..., :-w].sum(dim=-2), then topk(C - w) plus the window) and the
+accumulated score of H2O's own code (FMInference/H2O h2o_hf/utils_real_drop/modify_llama.py, hh_score). The window
+is SnapKV's (32, or 16 under 1,024 context tokens: KVCache-Factory's init_H2O default is 32, the KVzip paper's
+baselines use 16 for short contexts). The KVzip paper ran H2O with the max instead of the sum ("max beat mean");
+that variant is not kept here.
 
 Einsum legend: B batch, T query positions, S key slots, C cache capacity, K KV heads, G query heads per KV head,
 H head dim, L layers, n context columns.
@@ -14,20 +20,22 @@ import jax
 import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
-from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots
+from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots, window_columns
+from kvzip_jax.baselines.snapkv import window_sizes
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models.attention import AttentionView, map_key_blocks
 
-DEFAULT_CHUNK = 512
+DEFAULT_CHUNK = 512  # tokens replayed per observed pass (memory only: the sums do not depend on it)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class H2OObserver:
-    """Per layer [B, K, C]: the max softmax weight each key slot receives from the real rows of the span.
+    """Per layer [B, K, G, C]: the softmax weight each key slot accumulates from the real rows of the span, per
+    query head (the max over the GQA group comes after the sums over every span: h2o_scores).
 
-    The weights are never materialised: a key's max over rows and query heads, max exp(s - lse), is reduced block
-    by block from its logits s and each row's log-normaliser lse, which the forward's attention returns."""
+    The weights are never materialised: a key's sum over rows, sum_t exp(s_t - lse_t), is reduced block by block
+    from its logits s and each row's log-normaliser lse, which the forward's attention returns."""
 
     num_valid: jax.Array  # [B] real span tokens; the rest is padding
 
@@ -37,39 +45,45 @@ class H2OObserver:
         keys = jnp.concatenate([view.k, view.k_new.astype(view.k.dtype)], axis=2).astype(jnp.float32)  # [B,K,S,H]
         visible = view.mask & real_rows(self.num_valid, T)[:, None, :, None]  # [B, K, T, S]
 
-        def block_max(kb, vis):  # keys [B, K, size, H], visible [B, K, T, size] -> [B, K, size]
+        def block_sum(kb, vis):  # keys [B, K, size, H], visible [B, K, T, size] -> [B, K, size, G]
             stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb) - view.lse[..., None]  # log softmax weights
-            return jnp.exp(jnp.where(vis[:, :, None], stat, -jnp.inf).max(axis=(2, 3)))
+            return jnp.where(vis[:, :, None], jnp.exp(stat), 0.0).sum(axis=3).transpose(0, 1, 3, 2)
 
-        stat = map_key_blocks(block_max, (keys, 2), (visible, 3))  # [B, K, S]
-        return to_slots(view, stat)
+        stat = map_key_blocks(block_sum, (keys, 2), (visible, 3))  # [B, K, S, G]
+        return jax.vmap(lambda head_stat: to_slots(view, head_stat), in_axes=3, out_axes=2)(stat)
 
 
 def h2o_scores(params, cfg: ModelConfig, cache: kv.KVCache, prefix_len: jax.Array, context_len: jax.Array,
-               context_tokens: jax.Array, question=None, chunk: int = DEFAULT_CHUNK) -> jax.Array:
-    """H2O scores [L, B, K, n] of the context pairs of a cache holding [prefix | context].
+               context_tokens: jax.Array, question=None, chunk: int = DEFAULT_CHUNK,
+               window: int | None = None) -> jax.Array:
+    """H2O scores [L, B, K, n] of the context pairs of a cache holding [prefix | context]; the recent window's
+    columns are +inf.
 
-    context_tokens [B, n] right-padded; question: (tokens [B, Tq], lengths [B]) or None. The context is replayed
-    in the fewest chunks of at most `chunk` tokens (observe_span), combined by max.
+    context_tokens [B, n] right-padded; question: (tokens [B, Tq], lengths [B]) or None; window: a fixed window size
+    (default: snapkv.window_sizes per row). The context is replayed in the fewest chunks of at most `chunk` tokens
+    (observe_span), whose accumulated weights add up.
     """
     B, n = context_tokens.shape
     num_chunks = -(-n // chunk)
     width = -(-n // num_chunks)  # chunks of equal width: 640 tokens go as 2 x 320, not 512 + 512
     padded = jnp.pad(context_tokens, ((0, 0), (0, num_chunks * width - n)))  # [B, chunks x width]
 
-    def visit(c, best):
+    def visit(c, total):
         first = c * width
         tokens = jax.lax.dynamic_slice_in_dim(padded, first, width, axis=1)  # [B, width]
         num_valid = jnp.clip(context_len - first, 0, width)  # [B]
         start = prefix_len + jnp.minimum(first, context_len)  # a finished row replays nothing at its end
         observed = observe_span(params, cfg, cache, tokens, start, num_valid, H2OObserver(num_valid))
-        return jnp.maximum(best, jnp.stack(observed))  # [L, B, K, C]
+        return total + jnp.stack(observed)  # [L, B, K, G, C]
 
     C = cache.capacity
-    best = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, C), jnp.float32)  # [L, B, K, C]
-    best = jax.lax.fori_loop(0, num_chunks, visit, best)
+    total = jnp.zeros((cfg.num_layers, B, cfg.num_kv_heads, cfg.group_size, C), jnp.float32)  # [L, B, K, G, C]
+    total = jax.lax.fori_loop(0, num_chunks, visit, total)
+    q_len = jnp.zeros_like(context_len)
     if question is not None:
-        tokens, lengths = question
-        observed = observe_span(params, cfg, cache, tokens, prefix_len + context_len, lengths, H2OObserver(lengths))
-        best = jnp.maximum(best, jnp.stack(observed))
-    return context_columns(best, prefix_len, context_len, n)
+        tokens, q_len = question
+        observed = observe_span(params, cfg, cache, tokens, prefix_len + context_len, q_len, H2OObserver(q_len))
+        total = total + jnp.stack(observed)
+    scores = context_columns(total.max(axis=3), prefix_len, context_len, n)  # [L, B, K, n]: max over the group
+    in_window = window_columns(context_len, q_len, window_sizes(context_len, window), n)  # [B, n]
+    return jnp.where(in_window[None, :, None, :], jnp.inf, scores)

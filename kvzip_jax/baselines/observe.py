@@ -63,3 +63,11 @@ def context_columns(stats: jax.Array, prefix_len: jax.Array, context_len: jax.Ar
     columns = jnp.take_along_axis(stats, index[None, :, None, :], axis=-1)  # [L, B, K, n]
     in_context = jnp.arange(n) < context_len[:, None]  # [B, n]
     return jnp.where(in_context[None, :, None, :], columns, -jnp.inf)
+
+
+def window_columns(context_len: jax.Array, question_len: jax.Array, window: jax.Array, n: int) -> jax.Array:
+    """[B, n] bool: the context columns among the last window [B] tokens of [context | question] (question_len [B],
+    0 without a question): a window may straddle context and question, or lie in the question entirely."""
+    columns = jnp.arange(n)
+    start = (context_len + question_len - window)[:, None]  # [B, 1] first context column inside the window
+    return (columns >= start) & (columns < context_len[:, None])

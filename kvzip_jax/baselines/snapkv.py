@@ -1,7 +1,11 @@
 """SnapKV: a context pair's score is how much attention the observation window (the last w tokens of
-[context | question]) pays it: per query head, the sum of the window rows' float32 softmax weights, max-pooled over
-neighbouring context columns (kernel 7, stride 1, same padding), then the max over the G query heads of its KV head.
-The window's own context pairs score +inf (always kept). w is 32, or 16 for contexts under 1,024 tokens.
+[context | question]) pays it: per query head, the sum of the window rows' float32 softmax weights (SnapKV's
+snapkv_utils.py, SnapKVCluster.update_kv: attn[..., -w:, :-w].sum(dim=-2)), max-pooled over neighbouring context
+columns (kernel 7, stride 1, same padding), then the max over the G query heads of its KV head (the KVzip paper
+evicts before KV replication; its author's SnapKV, FastKVzip prefill/attention/baseline.py, takes the group max).
+The window's own context pairs score +inf: always kept, paid for by the layer's budget (budgets.keep_by_layer).
+Window 32, or 16 for contexts under 1,024 tokens, and max-pool kernel 7: the KVzip paper's App. A settings, from
+SnapKV's own LongBench configs (experiments/LongBench/config/ablation_c*_w32_k7_maxpool.json).
 
 As in SnapKV's code, the pooling runs over the context columns before the window only (the window's columns do
 not spill into their neighbours).
@@ -18,12 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
-from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots
+from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots, window_columns
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models.attention import AttentionView
 
-WINDOW, SHORT_WINDOW, SHORT_CONTEXT = 32, 16, 1024
-KERNEL = 7
+WINDOW, SHORT_WINDOW, SHORT_CONTEXT = 32, 16, 1024  # KVzip paper App. A (SnapKV's w32 configs; 16 under 1K)
+KERNEL = 7  # max-pool kernel: KVzip paper App. A, SnapKV's k7_maxpool configs
 
 
 def window_sizes(context_len: jax.Array, window: int | None = None) -> jax.Array:
@@ -80,10 +84,8 @@ def snapkv_scores(params, cfg: ModelConfig, cache: kv.KVCache, prefix_len: jax.A
                             WindowObserver(num_valid, w))
     attention = context_columns(jnp.stack(observed), prefix_len, context_len, n)  # [L, B, K, n]
 
-    columns = jnp.arange(n)
-    window_start = (context_len + q_len - w)[:, None]  # [B, 1] first context column inside the window
-    before = (columns < window_start) & (columns < context_len[:, None])  # [B, n] pooled columns
-    in_window = (columns >= window_start) & (columns < context_len[:, None])  # [B, n]
+    in_window = window_columns(context_len, q_len, w, n)  # [B, n]
+    before = (jnp.arange(n) < context_len[:, None]) & ~in_window  # [B, n] pooled columns
     pooled = max_pool(jnp.where(before[None, :, None, :], attention, -jnp.inf), kernel)  # [L, B, K, n]
     scores = jnp.where(before[None, :, None, :], pooled, -jnp.inf)
     return jnp.where(in_window[None, :, None, :], jnp.inf, scores)

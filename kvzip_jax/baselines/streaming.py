@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-SINKS = 4
+SINKS = 4  # attention sinks: StreamingLLM (Xiao et al. 2023, arXiv 2309.17453) keeps the first 4 tokens
 
 
 def streaming_scores(context_len: jax.Array, num_layers: int, num_kv_heads: int, n: int,

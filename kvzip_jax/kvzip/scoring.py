@@ -25,8 +25,8 @@ from kvzip_jax.errors import KvzipError
 from kvzip_jax.models.attention import MASK_VALUE, AttentionView, map_key_blocks
 from kvzip_jax.models.transformer import forward
 
-DEFAULT_CHUNK = 2048
-ANCHOR_TOKENS = 8
+DEFAULT_CHUNK = 2048  # reread chunk: the KVzip paper's "2K" (its code uses 2,000; kvpress KVzipPress 2,048)
+ANCHOR_TOKENS = 8  # KVzip code (prev_postfix_size=8): the previous chunk's last 8 tokens open the next reread
 VARIANTS = ("softmax", "logits")
 
 

@@ -107,10 +107,10 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
 
 
 def map_key_blocks(fn, *operands, size: int = KEY_BLOCK) -> jax.Array:
-    """Per-key statistics [B, K, S] computed over blocks of `size` keys one at a time (lax.map), so an observer's
-    [rows x keys] intermediates never exceed one block. operands: (array, key axis) pairs sharing the key count S;
-    fn takes one block of each (key axis of length size, in place) and returns [B, K, size]. The last block is
-    padded; its padding is dropped from the result."""
+    """Per-key statistics [B, K, S, ...] computed over blocks of `size` keys one at a time (lax.map), so an
+    observer's [rows x keys] intermediates never exceed one block. operands: (array, key axis) pairs sharing the key
+    count S; fn takes one block of each (key axis of length size, in place) and returns [B, K, size, ...]. The last
+    block is padded; its padding is dropped from the result."""
     x0, axis0 = operands[0]
     S = x0.shape[axis0]
     size = min(size, S)
@@ -120,9 +120,9 @@ def map_key_blocks(fn, *operands, size: int = KEY_BLOCK) -> jax.Array:
         x = jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
         return jnp.moveaxis(x.reshape(x.shape[:axis] + (-1, size) + x.shape[axis + 1:]), axis, 0)
 
-    out = jax.lax.map(lambda block: fn(*block), tuple(blocks(x, axis) for x, axis in operands))  # [N, B, K, size]
-    N, B, K, _ = out.shape
-    return jnp.moveaxis(out, 0, 2).reshape(B, K, N * size)[:, :, :S]
+    out = jax.lax.map(lambda block: fn(*block), tuple(blocks(x, axis) for x, axis in operands))  # [N, B, K, size..]
+    N, B, K = out.shape[:3]
+    return jnp.moveaxis(out, 0, 2).reshape((B, K, N * size) + out.shape[4:])[:, :, :S]
 
 
 def _rows(q: jax.Array, scale: float) -> jax.Array:
