@@ -10,8 +10,10 @@
       each question from the compressed cache; with no questions given, reads them from stdin, one per line
   kvzip-jax eval --model NAME_OR_PATH [--methods kvzip,snapkv,...] [--ratios 1,0.9,...] [--tasks niah,...]
                  [--jsonl FILE ...] [--contexts N] [--context-tokens N] [--modes reuse,first,oracle] [--out DIR]
+                 [--instruction kvzip|none|TEXT]
       a sweep: every context prefilled and scored once per method, every question answered from every compressed
-      cache; results appended to DIR/results.jsonl (a rerun resumes), then DIR/summary.md, summary.csv, scores.png
+      cache; results appended to DIR/results.jsonl (a rerun of the same settings resumes; other settings are
+      refused), then DIR/summary.md, summary.csv, scores.png
 
 Errors kvzip-jax raises on purpose (kvzip_jax.errors) print as one line and exit with code 2.
 """
@@ -300,6 +302,7 @@ def _csv(text: str) -> list[str]:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from kvzip_jax import prompts
     from kvzip_jax.eval import report, tasks
     from kvzip_jax.eval.sweep import SweepConfig, run_sweep
     from kvzip_jax.weights import registry
@@ -311,8 +314,11 @@ def _eval(args: argparse.Namespace) -> int:
     if args.contexts < 1 or args.context_tokens < 1:
         args.subparser.error("--contexts and --context-tokens must be >= 1")
     try:
+        if not args.instruction.strip():
+            raise ValueError('--instruction is empty; give a text, "kvzip" or "none"')
         config = SweepConfig(methods=tuple(_csv(args.methods)), ratios=ratios, modes=tuple(_csv(args.modes)),
-                             batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed)
+                             batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed,
+                             instruction=prompts.named_instruction(args.instruction))
     except ValueError as e:
         args.subparser.error(str(e))
     names = _csv(args.tasks) if args.tasks else ([] if args.jsonl else list(tasks.TASKS))
@@ -362,6 +368,10 @@ def _add_eval(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="contexts per jitted batch")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
     parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
+    parser.add_argument("--instruction", default="kvzip", help='text that opens every user message before the '
+                        'context, in the never-evicted prefix: "kvzip" (default) for KVzip\'s task instruction ("Given '
+                        'the context, answer to the following question or request without explanation."), as '
+                        'bench/quality.py uses; "none" for none')
     parser.add_argument("--out", metavar="DIR", help="output folder (default runs/MODEL)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(handler=_eval, subparser=parser)

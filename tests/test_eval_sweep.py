@@ -1,12 +1,14 @@
 """The sweep on a tiny random model with SmolLM2's tokenizer: batched == one by one, resumable after a kill,
 data-parallel over two (simulated) devices == one device."""
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import textwrap
 
+import jax
 import numpy as np
 import pytest
 
@@ -74,16 +76,86 @@ def _expected_keys() -> set:
 
 def test_every_answer_is_recorded_once_with_its_metrics(batched):
     assert set(batched) == _expected_keys()
+    fingerprints = {r["config"] for r in batched.values()}
+    assert len(fingerprints) == 1 and None not in fingerprints
+    hashes = {ex.id: sw.example_hash(ex) for ex in examples()}
     for r in batched.values():
         assert 0.0 <= r["score"] <= 1.0 and r["kl"] >= 0.0 and 0.0 <= r["flip"] <= 1.0
-        assert np.isfinite(r["kl"])
+        assert np.isfinite(r["kl"]) and r["example_hash"] == hashes[r["example"]]
         if r["method"] == "full" or r["ratio"] == 1.0:
             assert r["agree"] and r["kl"] == 0.0 and r["flip"] == 0.0
 
 
-def test_compression_changes_some_answers_and_distributions(batched):
-    low = [r for r in batched.values() if r["ratio"] == 0.2]
-    assert any(r["kl"] > 1e-3 for r in low)
+def test_compression_moves_distributions_more_the_less_it_keeps(batched):
+    """Every method's mean next-token KL grows as the ratio falls (0 at 1.0), and at 0.2 answers change."""
+    mean_kl = lambda method, ratio: np.mean([r["kl"] for r in batched.values()
+                                             if r["method"] == method and r["ratio"] == ratio])
+    for method in METHODS:
+        assert mean_kl(method, 1.0) == 0.0 < mean_kl(method, 0.5) < mean_kl(method, 0.2), method
+    rate = lambda field, ratio: np.mean([r[field] for r in batched.values() if r["ratio"] == ratio])
+    print({ratio: (rate("agree", ratio), rate("flip", ratio)) for ratio in CONFIG.ratios})
+    assert rate("agree", 1.0) == 1.0 > rate("agree", 0.5) >= rate("agree", 0.2)
+    assert rate("flip", 1.0) == 0.0 < rate("flip", 0.5) < rate("flip", 0.2)
+
+
+def test_a_cache_that_keeps_every_pair_answers_as_the_full_cache(model, tmp_path, monkeypatch):
+    """Full and compressed answers come from one computation: with the keep-everything shortcut off, ratio 1.0
+    agrees with the full cache 100% with KL exactly 0, even when the step-by-step draft differs from what the
+    teacher-forced pass would pick (as float near-ties between the two can make it: simulated by bending the last
+    token of every draft)."""
+    real_answer = sw.answering.answer
+
+    def bent_drafts(*args, **kwargs):
+        got, cache = real_answer(*args, **kwargs)
+        bend = lambda tokens: tokens[:-1] + [(tokens[-1] + 1) % model.cfg.vocab_size] if tokens else tokens
+        return sw.answering.Answers([bend(t) for t in got.tokens]), cache
+
+    real_masked = sw._masked
+    monkeypatch.setattr(sw.answering, "answer", bent_drafts)
+    monkeypatch.setattr(sw, "_masked", lambda *args: (real_masked(*args)[0], False))
+    config = sw.SweepConfig(methods=("kvzip", "snapkv", "random"), ratios=(1.0, 0.5), batch_size=3)
+    sw.run_sweep(model, examples(), config, tmp_path / "results.jsonl", progress=False)
+    records = _by_key(tmp_path / "results.jsonl")
+    full = {(r["example"], r["question"]): r["prediction"] for r in records.values() if r["method"] == "full"}
+    at_one = [r for r in records.values() if r["ratio"] == 1.0 and r["method"] != "full"]
+    assert len(at_one) == 3 * sum(len(ex.questions) for ex in examples())
+    for r in at_one:
+        assert r["agree"] and r["prediction"] == full[r["example"], r["question"]], r
+        assert r["kl"] == 0.0 and r["flip"] == 0.0
+
+
+def test_another_configuration_is_never_merged_into_a_results_file(model, batched, tmp_path):
+    """A rerun into the same file with another prompt, model or example set is refused, naming what differs; a
+    grown grid (another ratio) resumes."""
+    from kvzip_jax.eval.results import SweepMismatchError
+
+    path = tmp_path / "results.jsonl"
+    config = sw.SweepConfig(methods=("kvzip",), ratios=(0.5,), batch_size=3)
+    sw.run_sweep(model, examples(), config, path, progress=False)
+    before = path.read_bytes()
+    with pytest.raises(SweepMismatchError, match="instruction"):
+        sw.run_sweep(model, examples(), dataclasses.replace(config, instruction=None), path, progress=False)
+    with pytest.raises(SweepMismatchError, match="chunk_size"):
+        sw.run_sweep(model, examples(), dataclasses.replace(config, chunk_size=64), path, progress=False)
+    other = LoadedModel(model.name, model.cfg, jax.tree.map(lambda x: x * 1.01, model.params), model.tokenizer)
+    with pytest.raises(SweepMismatchError, match="model_params"):
+        sw.run_sweep(other, examples(), config, path, progress=False)
+    changed = [dataclasses.replace(ex, context=ex.context + " One more line.") if i == 1 else ex
+               for i, ex in enumerate(examples())]
+    with pytest.raises(SweepMismatchError, match="toy/toy-1"):
+        sw.run_sweep(model, changed, config, path, progress=False)
+    assert path.read_bytes() == before  # nothing written by a refused run
+    sw.run_sweep(model, examples(), dataclasses.replace(config, ratios=(0.5, 0.2)), path, progress=False)
+    grown = _by_key(path)
+    assert {k[4] for k in grown if k[2] == "kvzip"} == {0.5, 0.2}
+    for key, r in grown.items():
+        if key in batched:
+            assert r["prediction"] == batched[key]["prediction"], key
+    old = tmp_path / "old" / "results.jsonl"  # records of a kvzip-jax before settings files
+    old.parent.mkdir()
+    old.write_text(path.read_text())
+    with pytest.raises(SweepMismatchError, match="without a settings file"):
+        sw.run_sweep(model, examples(), config, old, progress=False)
 
 
 def test_a_batched_sweep_equals_one_by_one(model, batched, tmp_path):
@@ -178,3 +250,23 @@ def test_two_devices_give_the_same_answers_as_one(smollm2_gguf, tmp_path):
     for key in one:
         assert two[key]["prediction"] == one[key]["prediction"]
         assert two[key]["kl"] == pytest.approx(one[key]["kl"], abs=1e-4)
+
+
+def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
+    """No array outlives the sweep; the programs compiled for one task's shapes are dropped when the next task
+    starts, so a sweep holds those of one task at a time; the params are not copied onto a one-device mesh."""
+    from kvzip_jax import generate as gen
+    from kvzip_jax.eval import sharding
+
+    assert sharding.replicate(model.params, sharding.data_mesh()) is model.params
+    config = sw.SweepConfig(methods=("kvzip", "snapkv"), ratios=(0.5,), batch_size=3)
+    second = [dataclasses.replace(ex, task="toy2") for ex in examples()]  # a second task, its own shapes
+    jax.clear_caches()
+    sw.run_sweep(model, second, config, tmp_path / "alone.jsonl", progress=False)
+    one_task = (gen.forward_step._cache_size(), gen._decode_loop._cache_size(), sw._kvzip_scores._cache_size())
+    longer = [dataclasses.replace(ex, context=ex.context + " " + ex.context) for ex in examples()]  # other shapes
+    live = {id(x) for x in jax.live_arrays()}
+    sw.run_sweep(model, longer + second, config, tmp_path / "both.jsonl", progress=False)
+    assert [x.shape for x in jax.live_arrays() if id(x) not in live] == []
+    assert (gen.forward_step._cache_size(), gen._decode_loop._cache_size(),
+            sw._kvzip_scores._cache_size()) == one_task

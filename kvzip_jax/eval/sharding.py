@@ -23,6 +23,13 @@ def batch_multiple(mesh: Mesh) -> int:
 
 
 def replicate(tree, mesh: Mesh):
+    """Every leaf whole on every device of the mesh; leaves already there are used as they are (no second copy
+    of the params on a one-device mesh)."""
+    devices = set(mesh.devices.flat)
+    placed = lambda x: (isinstance(x, jax.Array) and x.sharding.device_set == devices
+                        and x.sharding.is_fully_replicated)
+    if all(placed(x) for x in jax.tree.leaves(tree)):
+        return tree
     return jax.device_put(tree, NamedSharding(mesh, PartitionSpec()))
 
 

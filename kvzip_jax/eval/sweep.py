@@ -1,20 +1,28 @@
 """The sweep: contexts x methods x modes x ratios, batched over contexts, sharded over devices, resumable.
 
 Per batch of contexts (same task, similar lengths, right-padded):
-  1. one prefill of [prefix | context] per row;
-  2. the full cache answers every question (greedy), then its teacher-forced logits over its own answers;
-  3. per method and mode, one scoring pass; per ratio, a masked cache (no copy of the scores or prefill) answers
-     the questions: greedy, plus the full answer teacher-forced for KL and top-1 flips.
+  1. one prefill of [prefix | instruction | context] per row (KVzip's task instruction by default, never evicted);
+  2. the full cache decodes a draft answer to every question, greedily, step by step;
+  3. every cache, the full one included, answers from one computation (answering.answer_forced): the draft
+     teacher-forced in one pass gives the next-token logits (KL and top-1 flips against the full cache's) and the
+     greedy answer, which follows the draft while the forced argmax agrees and is decoded from there on. So
+     agreement compares like with like: a compressed cache that keeps every pair answers exactly as the full one;
+  4. per method and mode, one scoring pass; per ratio, a masked cache (no copy of the scores or prefill).
 Modes: "reuse" compresses once without any question and answers every question (query-agnostic, the KVzip
 protocol); "first" compresses with the first question in view and reuses that cache for the rest; "oracle"
 recompresses per question. Query-independent methods (kvzip, streamingllm, random) run in "reuse" only.
-Results go to a JSONL file (one record per answer, see results.py); keys already there are not redone.
+Results go to a JSONL file (one record per answer, see results.py); keys already there are not redone, and a file
+of other settings is refused (results.SweepMismatchError). A batch with answers still pending is prefilled and
+answered by the full cache again (the pending answers are compared with it), and scored again only by the methods
+with answers pending.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -26,11 +34,12 @@ import numpy as np
 from kvzip_jax import baselines, kvzip, prompts
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax.eval import answering, metrics, sharding
-from kvzip_jax.eval.results import ResultsFile
+from kvzip_jax.eval import answering, host_memory, metrics, sharding
+from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile
 from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
+from kvzip_jax.weights.identity import model_identity
 
 MODES = ("reuse", "first", "oracle")
 FULL = "full"
@@ -45,6 +54,7 @@ class SweepConfig:
     batch_size: int = 8
     chunk_size: int = DEFAULT_CHUNK  # KVzip reread chunk
     seed: int = 0  # the random baseline's key
+    instruction: str | None = prompts.KVZIP_INSTRUCTION  # opens the user message before the context (prefix)
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(baselines.METHODS))
@@ -59,6 +69,18 @@ class SweepConfig:
 
     def modes_of(self, method: str) -> tuple[str, ...]:
         return self.modes if method in baselines.QUERY_AWARE else ("reuse",)
+
+    def settings(self, model) -> dict:
+        """What changes an answer (results.py): the model's identity and the options that shape prompt and scores."""
+        return dict(version=RESULTS_VERSION, model=model.name, **{f"model_{k}": v for k, v in
+                                                                  model_identity(model.cfg, model.params).items()},
+                    instruction=self.instruction, chunk_size=self.chunk_size, seed=self.seed)
+
+
+def example_hash(ex: Example) -> str:
+    """16 hex digits of what an example asks (context, questions, answers, metric, answer length)."""
+    text = json.dumps([ex.context, list(ex.questions), [list(a) for a in ex.answers], ex.metric, ex.max_new_tokens])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,12 +108,15 @@ class Batch:
         return [s[i] if i < len(s) else s[0] for s in self.suffixes]
 
 
-def plan_batches(tokenizer, examples: Sequence[Example], batch_size: int, multiple: int = 1) -> list[Batch]:
-    """Batches of one task each, contexts of similar length together; sizes padded to a multiple of `multiple`."""
+def plan_batches(tokenizer, examples: Sequence[Example], batch_size: int, multiple: int = 1,
+                 instruction: str | None = None) -> list[Batch]:
+    """Batches of one task each, contexts of similar length together; sizes padded to a multiple of `multiple`.
+    instruction: opens every user message before the context (prompts.build_prompt)."""
     size = -(-batch_size // multiple) * multiple
     by_task: dict[str, list] = {}
     for ex in examples:
-        context, suffixes = prompts.split_for_reuse(tokenizer, ex.context, list(ex.questions))
+        context, suffixes = prompts.split_for_reuse(tokenizer, ex.context, list(ex.questions),
+                                                    instruction=instruction)
         by_task.setdefault(ex.task, []).append((ex, context, tuple(suffixes)))
     batches = []
     for task in sorted(by_task):
@@ -130,8 +155,8 @@ class Sweep:
     """Runs batches for one model and config, appending records to a ResultsFile."""
 
     def __init__(self, model, config: SweepConfig, results: ResultsFile, mesh=None,
-                 on_answers: Callable[[int], None] = lambda n: None):
-        self.model, self.config, self.results = model, config, results
+                 on_answers: Callable[[int], None] = lambda n: None, fingerprint: str | None = None):
+        self.model, self.config, self.results, self.fingerprint = model, config, results, fingerprint
         self.mesh = mesh or sharding.data_mesh()
         self.params = sharding.replicate(model.params, self.mesh)
         self.stops = prompts.stop_token_ids(model.tokenizer)
@@ -190,8 +215,8 @@ class Sweep:
                         start = time.perf_counter()
                         masked, keeps_all = _masked(method, scores, cache, *lengths, jnp.float32(ratio),
                                                     self.evictable)
-                        if bool(keeps_all):  # the mask keeps every pair: this is the full cache
-                            got = {i: full[i] for i in asked}
+                        if bool(keeps_all):  # the mask keeps every pair: the same computation gives the same
+                            got = {i: full[i] for i in asked}  # answers (tests/test_eval_sweep.py checks it)
                         else:
                             got = self._compressed_answers(batch, masked, asked, full)
                         del masked
@@ -217,23 +242,27 @@ class Sweep:
         return jnp.stack([jax.random.fold_in(seed, zlib.crc32(i.encode())) for i in ids])
 
     def _full_answers(self, batch: Batch, cache: kv.KVCache) -> dict[int, dict]:
-        """Per question: greedy answers of the full cache and its teacher-forced log-probabilities over them."""
+        """Per question: the full cache's step-by-step greedy draft, then its answer and teacher-forced
+        log-probabilities from the computation every compressed cache goes through (_answers_forced)."""
         work = answering.copy_cache(cache)
         out = {}
         for i in range(batch.num_questions):
             rows = batch.question_rows(i)
-            got, work = answering.answer(self.params, self.model.cfg, work, rows, batch.max_new_tokens, self.stops)
-            forced, work = answering.answer_forced(self.params, self.model.cfg, work, rows, got.tokens, 0, self.stops)
-            out[i] = dict(tokens=got.tokens, log_probs=_log_probs(forced.logits), valid=forced.valid,
+            draft, work = answering.answer(self.params, self.model.cfg, work, rows, batch.max_new_tokens, self.stops)
+            got, work = answering.answer_forced(self.params, self.model.cfg, work, rows, draft.tokens,
+                                                batch.max_new_tokens, self.stops)
+            out[i] = dict(tokens=got.tokens, draft=draft.tokens, log_probs=_log_probs(got.logits), valid=got.valid,
                           kl=np.zeros(batch.size), flip=np.zeros(batch.size))
         return out
 
     def _compressed_answers(self, batch: Batch, masked: kv.KVCache, asked, full) -> dict[int, dict]:
+        """Per question: the answer of a compressed cache and its next-token KL and flips against the full cache's,
+        both teacher-forced on the full cache's draft, as the full cache's own were."""
         work = answering.copy_cache(masked)
         out = {}
         for i in asked:
             got, work = answering.answer_forced(self.params, self.model.cfg, work, batch.question_rows(i),
-                                                full[i]["tokens"], batch.max_new_tokens, self.stops)
+                                                full[i]["draft"], batch.max_new_tokens, self.stops)
             kl, flip = _divergence(full[i]["log_probs"], got.logits, jnp.asarray(got.valid))
             out[i] = dict(tokens=got.tokens, kl=np.asarray(kl), flip=np.asarray(flip))
         return out
@@ -250,6 +279,7 @@ class Sweep:
                     continue
                 prediction = text(got[i]["tokens"][b])
                 records.append(dict(
+                    config=self.fingerprint, example_hash=example_hash(ex),
                     model=self.model.name, task=ex.task, example=ex.id, question=i, method=method, mode=mode,
                     ratio=ratio, prediction=prediction, references=list(ex.answers[i]), metric=ex.metric,
                     score=metrics.score(ex.metric, prediction, ex.answers[i]),
@@ -263,18 +293,28 @@ class Sweep:
 
 def run_sweep(model, examples: Sequence[Example], config: SweepConfig, results_path, progress: bool = True,
               mesh=None) -> ResultsFile:
-    """Runs every pending answer of the sweep, appending to results_path (resumes a partial file)."""
-    results = ResultsFile(results_path)
+    """Runs every pending answer of the sweep, appending to results_path (resumes a partial file of the same
+    settings; raises results.SweepMismatchError for a file of other settings or other examples)."""
+    settings = config.settings(model)
+    results = ResultsFile(results_path, settings)
+    for ex in examples:
+        results.check_example(ex.task, ex.id, example_hash(ex))
     mesh = mesh or sharding.data_mesh()
-    batches = plan_batches(model.tokenizer, examples, config.batch_size, sharding.batch_multiple(mesh))
+    batches = plan_batches(model.tokenizer, examples, config.batch_size, sharding.batch_multiple(mesh),
+                           config.instruction)
     capacity = capacity_for(batches)
     bar = _progress_bar(progress)
-    sweep = Sweep(model, config, results, mesh, on_answers=bar.update)
+    sweep = Sweep(model, config, results, mesh, on_answers=bar.update, fingerprint=results.fingerprint)
     bar.total = sum(sweep.answers_pending(b) for b in batches)
     bar.refresh()
+    task = None
     for batch in batches:
-        bar.set_postfix_str(f"{batch.examples[0].task} {batch.examples[0].id}")
+        if task is not None and batch.examples[0].task != task:
+            host_memory.drop_compiled()  # the next task's shapes differ: its programs replace the last task's
+        task = batch.examples[0].task
+        bar.set_postfix_str(f"{task} {batch.examples[0].id}")
         sweep.run(batch, capacity)
+        host_memory.release_freed()
     bar.close()
     return results
 
