@@ -53,10 +53,24 @@ def test_summarize_by_hand(records):
     k = rows["squad", "kvzip", "reuse", 0.5]
     assert k["n"] == 4 and k["score"] == 0.5
     assert k["normalised"] == pytest.approx(100 * 0.5 / 0.75)
-    assert k["agree"] == 75.0
+    assert (k["normalised_lo"], k["normalised_hi"]) == (50.0, 100.0)
+    assert k["agree"] == 75.0 and (k["agree_lo"], k["agree_hi"]) == pytest.approx(report.wilson(3, 4))
     assert k["kl"] == pytest.approx(0.25) and k["flip"] == pytest.approx(0.25)
     s = rows["squad", "snapkv", "first", 0.5]
     assert s["normalised"] == pytest.approx(100 * 0.5 / 0.75) and s["agree"] == 100.0
+
+
+def test_intervals():
+    """Wilson's interval against published values (3/4: 0.3006-0.9544, 0/10: 0-0.2775, as statsmodels'
+    proportion_confint(method="wilson") gives them); the bootstrap resamples whole examples."""
+    assert report.wilson(3, 4) == pytest.approx((30.06, 95.44), abs=0.01)
+    assert report.wilson(0, 10) == pytest.approx((0.0, 27.75), abs=0.01)
+    assert report.wilson(10, 10)[1] == pytest.approx(100.0)
+    assert report.bootstrap_normalised([(1.0, 2.0), (1.0, 1.0)]) == (50.0, 100.0)  # resamples: 50, 66.7 or 100
+    assert report.bootstrap_normalised([(1.0, 2.0)] * 5) == (50.0, 50.0)  # every example the same: no spread
+    low, high = report.bootstrap_normalised([(s, 1.0) for s in [0.0, 1.0] * 20])
+    assert 30 < low < 50 < high < 70  # 40 examples, half of them right: about 50 +- 16
+    assert report.bootstrap_normalised([]) is None and report.bootstrap_normalised([(0.0, 0.0)]) is None
 
 
 def test_normalised_over_the_same_questions(records):
@@ -110,9 +124,11 @@ def test_markdown_table(records):
         "| niah | full | full | 0.0 | - | - |",
         "| niah | kvzip | oracle | - | - | - |",
         "| squad | full | full | 75.0 | - | - |",
-        "| squad | kvzip | reuse | - | 66.7 | 50.0 |",
-        "| squad | snapkv | first | - | 66.7 | - |",
+        "| squad | kvzip | reuse | - | 66.7 [50, 100] | 50.0 [50, 50] |",  # e0: 1 of 2, e1: 1 of 1
+        "| squad | snapkv | first | - | 66.7 [50, 100] | - |",
     ]
+    agree = report.markdown_table(rows, "agree").strip().splitlines()
+    assert agree[5] == "| squad | kvzip | reuse | - | 75.0 [30, 95] | 0.0 [0, 66] |"
     kl = report.markdown_table(rows, "kl").strip().splitlines()
     assert kl[5] == "| squad | kvzip | reuse | - | 0.2500 | 0.0000 |"
     assert kl[4] == "| squad | full | full | 75.0 | - | - |"
@@ -143,7 +159,8 @@ def test_write_report(tmp_path, records):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scores.png", "summary.csv", "summary.md"]
     md = paths["markdown"].read_text()
     assert md.count("| task | method | mode |") == 3
-    assert "| squad | kvzip | reuse | - | 66.7 | 50.0 |" in md and "| squad | kvzip | reuse | - | 75.0 | 0.0 |" in md
+    assert "| squad | kvzip | reuse | - | 66.7 [50, 100] | 50.0 [50, 50] |" in md
+    assert "| squad | kvzip | reuse | - | 75.0 [30, 95] | 0.0 [0, 66] |" in md
     assert paths["plot"].read_bytes().startswith(PNG_SIGNATURE)
     with pytest.raises(ValueError, match="no records"):
         report.write_report(write_jsonl(tmp_path / "empty.jsonl", []), tmp_path / "out")

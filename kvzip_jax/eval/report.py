@@ -4,6 +4,12 @@ A record (one JSON object per line, one per answered question) holds: model, tas
 within the example), method ("full" for the uncompressed cache, else "kvzip", "snapkv", ...), mode ("full" for the
 full cache, else "reuse" / "first" / "oracle"), ratio (1.0 for full), prediction, references, metric, score (0..1),
 agree (prediction equals the full cache's), kl, flip (kvzip_jax.eval.metrics.next_token_divergence), seconds.
+
+Every normalised score and agreement comes with a 95% interval, since a sweep's n is small:
+  agreement   Wilson score interval over the n answers;
+  normalised  percentile bootstrap over the contexts (2,000 resamples of whole examples with their questions, which
+              are not independent of each other; seed 0, so a report is reproducible): 100 x sum of scores / sum of
+              full-cache scores of each resample.
 """
 
 from __future__ import annotations
@@ -17,12 +23,16 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 MODES = ("full", "reuse", "first", "oracle")
 SUMMARIZED = ("model", "task", "example", "question", "method", "mode", "ratio", "score", "agree", "kl", "flip")
-COLUMNS = ("task", "method", "mode", "ratio", "n", "score", "normalised", "agree", "kl", "flip")
+COLUMNS = ("task", "method", "mode", "ratio", "n", "score", "normalised", "normalised_lo", "normalised_hi", "agree",
+           "agree_lo", "agree_hi", "kl", "flip")
+Z95 = 1.959964  # two-sided 95% normal quantile
+RESAMPLES = 2000
 # value -> (axis / heading label, cell format); "score" is shown in %.
 VALUES = {
     "normalised": ("score / full-cache score (%)", "{:.1f}"),
@@ -70,6 +80,30 @@ def _mean(xs: Iterable[float]) -> float:
     return sum(xs) / len(xs)
 
 
+def wilson(hits: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion hits / n, in %."""
+    p = hits / n
+    centre = (p + Z95**2 / (2 * n)) / (1 + Z95**2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / (1 + Z95**2 / n)
+    return 100 * max(centre - half, 0.0), 100 * min(centre + half, 1.0)
+
+
+def bootstrap_normalised(per_example: Sequence[tuple[float, float]], seed: int = 0) -> tuple[float, float] | None:
+    """95% percentile interval of 100 x sum(score) / sum(full score) over resampled examples, from per-example
+    (sum of scores, sum of full-cache scores); None when there is nothing to resample. Resamples whose full-cache
+    sum is 0 are left out."""
+    if not per_example:
+        return None
+    sums = np.asarray(per_example, np.float64)  # [E, 2]
+    picks = np.random.default_rng(seed).integers(0, len(sums), (RESAMPLES, len(sums)))  # [R, E]
+    got, full = sums[picks, 0].sum(axis=1), sums[picks, 1].sum(axis=1)
+    ratios = 100 * got[full > 0] / full[full > 0]
+    if not ratios.size:
+        return None
+    low, high = np.percentile(ratios, [2.5, 97.5])
+    return float(low), float(high)
+
+
 def _row_order(row: dict) -> tuple:
     return row["task"], row["method"] != "full", row["method"], MODES.index(row["mode"]), -row["ratio"]
 
@@ -79,7 +113,8 @@ def summarize(records: Sequence[dict]) -> list[dict]:
 
     Row fields (COLUMNS): n; score (mean, 0..1); normalised = 100 * mean score / mean full-cache score over the
     questions (example, question) that have a full-cache record (None when there are none or the full mean is 0);
-    agree (% of answers equal to the full cache's); kl and flip (means).
+    agree (% of answers equal to the full cache's); kl and flip (means); normalised_lo/hi and agree_lo/hi: the 95%
+    intervals of the module docstring (None where the value is).
     """
     _check(records)
     full = {(r["task"], r["example"], r["question"]): float(r["score"]) for r in records if r["method"] == "full"}
@@ -88,13 +123,22 @@ def summarize(records: Sequence[dict]) -> list[dict]:
         groups[r["task"], r["method"], r["mode"], round(float(r["ratio"]), 6)].append(r)
     rows = []
     for (task, method, mode, ratio), group in groups.items():
-        paired = [(float(r["score"]), full[k]) for r in group if (k := (task, r["example"], r["question"])) in full]
-        full_mean = _mean(f for _, f in paired) if paired else 0.0
+        per_example = collections.defaultdict(lambda: [0.0, 0.0])  # example -> [sum of scores, sum of full scores]
+        for r in group:
+            if (k := (task, r["example"], r["question"])) in full:
+                per_example[r["example"]][0] += float(r["score"])
+                per_example[r["example"]][1] += full[k]
+        full_sum = sum(f for _, f in per_example.values())
+        normalised = 100 * sum(s for s, _ in per_example.values()) / full_sum if full_sum else None
+        interval = bootstrap_normalised(list(per_example.values())) if normalised is not None else None
+        agreed = sum(bool(r["agree"]) for r in group)
         rows.append({
             "task": task, "method": method, "mode": mode, "ratio": ratio, "n": len(group),
             "score": _mean(float(r["score"]) for r in group),
-            "normalised": 100 * _mean(s for s, _ in paired) / full_mean if full_mean else None,
-            "agree": 100 * _mean(bool(r["agree"]) for r in group),
+            "normalised": normalised,
+            "normalised_lo": interval[0] if interval else None, "normalised_hi": interval[1] if interval else None,
+            "agree": 100 * agreed / len(group),
+            **dict(zip(("agree_lo", "agree_hi"), wilson(agreed, len(group)))),
             "kl": _mean(float(r["kl"]) for r in group),
             "flip": _mean(float(r["flip"]) for r in group),
         })
@@ -118,7 +162,7 @@ def markdown_table(rows: Sequence[dict], value: str = "normalised") -> str:
     """A markdown table of one value: rows (task, method, mode), columns the ratios in descending order.
 
     Each task's full-cache row shows the full cache's raw score in % (under ratio 1.0) whatever the value;
-    "-" marks a missing cell or a None value.
+    "-" marks a missing cell or a None value. Normalised scores and agreement carry their 95% interval in brackets.
     """
     if not rows:
         raise ValueError("no rows to tabulate")
@@ -128,7 +172,10 @@ def markdown_table(rows: Sequence[dict], value: str = "normalised") -> str:
     for r in rows:
         shown = "score" if r["method"] == "full" else value
         v = _shown(r, shown)
-        cells[r["task"], r["method"], r["mode"]][r["ratio"]] = "-" if v is None else VALUES[shown][1].format(v)
+        text = "-" if v is None else VALUES[shown][1].format(v)
+        if v is not None and shown in ("normalised", "agree") and r.get(f"{shown}_lo") is not None:
+            text += f" [{r[f'{shown}_lo']:.0f}, {r[f'{shown}_hi']:.0f}]"
+        cells[r["task"], r["method"], r["mode"]][r["ratio"]] = text
     lines = ["| task | method | mode | " + " | ".join(str(x) for x in ratios) + " |",
              "|---|---|---|" + "---:|" * len(ratios)]
     for key, by_ratio in cells.items():
@@ -167,7 +214,8 @@ def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> Path:
 
 def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised") -> Path:
     """A PNG with one subplot per task: value against ratio (1.0 at the left, descending), one line per
-    (method, mode), the full cache as a dashed horizontal line (100 for normalised scores). Written atomically."""
+    (method, mode) with its 95% interval shaded (normalised scores and agreement), the full cache as a dashed
+    horizontal line (100 for normalised scores). Written atomically."""
     if not rows:
         raise ValueError("no rows to plot")
     label = _spec(value)[0]
@@ -179,7 +227,7 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     for ax, task in zip(axes, tasks):
-        lines = collections.defaultdict(list)  # (method, mode) -> [(ratio, value)]
+        lines = collections.defaultdict(list)  # (method, mode) -> [(ratio, value, low, high)]
         for r in rows:
             v = _shown(r, value)
             if r["task"] != task or v is None:
@@ -187,10 +235,13 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
             if r["method"] == "full":
                 ax.axhline(v, color="black", linestyle="--", linewidth=1, label="full cache")
             else:
-                lines[r["method"], r["mode"]].append((r["ratio"], v))
+                low, high = r.get(f"{value}_lo"), r.get(f"{value}_hi")
+                lines[r["method"], r["mode"]].append((r["ratio"], v, v if low is None else low,
+                                                      v if high is None else high))
         for (method, mode), pts in lines.items():
-            xs, ys = zip(*sorted(pts, reverse=True))
-            ax.plot(xs, ys, marker="o", markersize=4, label=f"{method} ({mode})")
+            xs, ys, lows, highs = zip(*sorted(pts, reverse=True))
+            drawn = ax.plot(xs, ys, marker="o", markersize=4, label=f"{method} ({mode})")
+            ax.fill_between(xs, lows, highs, color=drawn[0].get_color(), alpha=0.12, linewidth=0)
         ax.set_xlim(1.03, lowest - 0.03)  # descending: the full cache's 1.0 at the left
         ax.set(title=task, xlabel="KV cache ratio", ylabel=label)
         ax.grid(alpha=0.3)
@@ -210,7 +261,8 @@ def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> d
     rows = summarize(records)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    note = "Full-cache rows: the full cache's raw score (%).\n\n"
+    note = ("Full-cache rows: the full cache's raw score (%). Brackets: 95% intervals (normalised scores: bootstrap "
+            "over contexts; agreement: Wilson).\n\n")
     sections = [f"# {records[0]['model']}: {len(records)} answers ({Path(jsonl_path).name})\n"]
     for value, heading in (("normalised", "Score normalised by the full cache's (%)"),
                            ("agree", "Answers equal to the full cache's (%)"),
