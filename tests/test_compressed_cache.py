@@ -175,3 +175,59 @@ def test_compiled_decode_and_append_copy_no_cache_array(form):
     copies = [line.strip() for text in texts for line in text.splitlines()
               if " copy(" in line and any(f"= {shape}" in line for shape in kv_shapes)]
     assert kv_shapes and not copies, copies[:4]
+
+
+def numpy_logits_with_evicted_keys(params, cfg, tokens, prefix_len, context_len, keep):
+    """Next-token logits after tokens [prefix | context | question] in a float64 forward where the question's rows
+    do not see the context keys a (layer, KV head) evicted: keep [L, K, n]. The prefix and context rows see every
+    earlier key, as in the prefill that filled the cache. An independent reference for mask_context's slot mapping.
+    """
+    P = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    T, N, K, H = len(tokens), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rms = lambda x, w: x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
+    inv_freq = 1.0 / cfg.rope.theta ** (np.arange(0, H, 2) / H)
+    angles = np.arange(T)[:, None] * inv_freq[None, :]
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+
+    def rope(x):  # [T, heads, H]
+        a, b = x[..., :H // 2], x[..., H // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+    kv_of = np.arange(N) // (N // K)
+    causal = np.tril(np.ones((T, T), bool))
+    question_rows = np.arange(T) >= prefix_len + context_len
+    x = P["embed"][tokens]
+    for i in range(cfg.num_layers):
+        p = P[f"layers_{i}"]
+        qkv = rms(x, p["attn_norm"]) @ p["qkv"]
+        q = rope(qkv[:, :N * H].reshape(T, N, H))
+        k = rope(qkv[:, N * H:(N + K) * H].reshape(T, K, H))
+        v = qkv[:, (N + K) * H:].reshape(T, K, H)
+        evicted = np.zeros((K, T), bool)  # [K, key]
+        evicted[:, prefix_len:prefix_len + context_len] = ~keep[i]
+        visible = causal[None] & ~(question_rows[None, :, None] & evicted[:, None, :])  # [K, T, T]
+        logits = np.einsum("tnh,snh->nts", q, k[:, kv_of]) * H**-0.5
+        logits = np.where(visible[kv_of], logits, -np.inf)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        x = x + np.einsum("nts,snh->tnh", probs, v[:, kv_of]).reshape(T, N * H) @ p["o"]
+        gate, up = np.split(rms(x, p["mlp_norm"]) @ p["gate_up"], 2, axis=-1)
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ p["down"]
+    head = P["embed"].T if cfg.tie_embeddings else P["lm_head"]
+    return rms(x[-1], P["final_norm"]) @ head
+
+
+@pytest.mark.parametrize("level", ["pair", "layer"])
+def test_mask_context_hides_exactly_the_evicted_slots(level):
+    """A masked cache answers as a float64 forward that drops the evicted keys from the question's view, and the
+    ragged cache packed from it too (a slot mapping off by one moves the logits by ~4 here)."""
+    keep = np.array(keep_mask(SCORES, jnp.array([CONTEXT]), 0.3, level))
+    keep[0, 0, 1] = False  # a head that keeps nothing
+    masked = _masked(jnp.asarray(keep))
+    expected = numpy_logits_with_evicted_keys(PARAMS, CFG, np.concatenate([SEQUENCE, QUESTION]), PREFIX, CONTEXT,
+                                              keep[:, 0])
+    for cache in (masked, kv.pack(masked, 16)):
+        logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, cache))
+        np.testing.assert_allclose(np.asarray(logits)[0], expected, atol=2e-4, rtol=0)
+    full_logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], _context_cache())
+    assert np.abs(np.asarray(full_logits)[0] - expected).max() > 1e-2  # the eviction is visible at this tolerance

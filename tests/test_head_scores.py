@@ -16,7 +16,7 @@ from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.errors import KvzipError, ModelFileError
 from kvzip_jax.kvzip import head_level
 from kvzip_jax.models.params import init_params
-from tests.test_kvzip_score import _inputs, tiny_config
+from tests.test_kvzip_score import _inputs, oracle_scores, tiny_config
 
 PREFIX, CONTEXT = 4, 36
 RNG = np.random.default_rng(0)
@@ -34,12 +34,17 @@ def _scores(cfg, params, chunk_size=16):
 
 
 @pytest.mark.parametrize("num_kv_heads, chunk_size", [(2, 16), (6, 64)])
-def test_head_scores_are_the_max_over_the_context_of_the_pair_scores(num_kv_heads, chunk_size):
+def test_head_scores_are_the_max_over_the_context_of_the_oracle_pair_scores(num_kv_heads, chunk_size):
+    """Against the float64 numpy oracle of KVzip's definition (not the scoring function head scores call)."""
     cfg = tiny_config(num_kv_heads)
-    heads, pairs = _scores(cfg, init_params(cfg, seed=1, scale=0.15), chunk_size)
+    params = init_params(cfg, seed=1, scale=0.15)
+    reread, rereads = _inputs(cfg, SEQUENCE[:PREFIX], SEQUENCE[PREFIX:], chunk_size)
+    heads = head_level.context_head_scores(params, cfg, SEQUENCE, reread)
+    expected = oracle_scores(params, cfg, SEQUENCE[:PREFIX], SEQUENCE[PREFIX:], rereads, chunk_size).max(axis=-1)
     assert heads.shape == (cfg.num_layers, num_kv_heads) and heads.dtype == np.float32
-    np.testing.assert_allclose(heads, pairs.max(axis=-1), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(heads, expected, atol=1e-5, rtol=0)
     assert np.isfinite(heads).all() and heads.min() > 0
+    assert len(set(np.round(heads.ravel(), 4))) == heads.size  # distinct heads: a mix-up of heads would show
 
 
 def test_head_scores_of_a_text_use_its_first_tokens_as_a_context(smollm2_gguf):
@@ -56,9 +61,9 @@ def test_head_scores_of_a_text_use_its_first_tokens_as_a_context(smollm2_gguf):
     assert len(tokens) == prefix_len + 40
     heads = head_level.head_scores(params, cfg, tok, text, max_tokens=40, chunk_size=16)
     reread = kvzip.reread_inputs(tok, [prefix_len], [tokens[prefix_len:]], 16)
-    _, cache = gen.prefill(params, cfg, [tokens], capacity=64)
-    expected = np.asarray(kvzip.score(params, cfg, cache, reread))[:, 0, :, :40].max(axis=-1)
-    np.testing.assert_allclose(heads, expected, atol=1e-6, rtol=0)
+    rereads = [np.asarray(reread.tokens[t, 0, :int(reread.num_valid[t, 0])]) for t in range(reread.tokens.shape[0])]
+    expected = oracle_scores(params, cfg, tokens[:prefix_len], tokens[prefix_len:], rereads, 16).max(axis=-1)
+    np.testing.assert_allclose(heads, expected, atol=1e-5, rtol=0)
 
 
 def _gemma():
