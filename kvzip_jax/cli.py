@@ -353,7 +353,7 @@ def _add_eval(subparsers) -> None:
 
     parser = subparsers.add_parser("eval", help="sweep methods x ratios x tasks; resumable; table and plot")
     parser.add_argument("--model", required=True, help="bundled model name or a model path")
-    parser.add_argument("--methods", default="kvzip,snapkv,pyramidkv,h2o,streamingllm",
+    parser.add_argument("--methods", default="kvzip,snapkv,pyramidkv,h2o,streamingllm,random",
                         help=f"comma-separated, from {','.join(METHODS)}")
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
     parser.add_argument("--tasks", help="comma-separated generated tasks (default: all, unless --jsonl is given)")

@@ -48,6 +48,7 @@ def _check_prompt(model, cfg, params, tokens: np.ndarray, check_kv: bool = True)
     ref_logits = out.logits[0, -1].numpy()
     logits, cache = gen.prefill(params, cfg, [tokens])
     diff = float(np.abs(np.asarray(logits[0]) - ref_logits).max())
+    print(f"{cfg.architecture}, {tokens.size} tokens: last-token logits differ by at most {diff:.1e}")
     assert diff <= LOGIT_TOL, f"last-token logits differ by {diff} on a {tokens.size}-token prompt"
     assert int(np.argmax(logits[0])) == int(np.argmax(ref_logits))
     if not check_kv:

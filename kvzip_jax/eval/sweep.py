@@ -48,7 +48,7 @@ CAPACITY_MULTIPLE = 64
 
 @dataclasses.dataclass(frozen=True)
 class SweepConfig:
-    methods: tuple[str, ...] = ("kvzip", "snapkv", "pyramidkv", "h2o", "streamingllm")
+    methods: tuple[str, ...] = ("kvzip", "snapkv", "pyramidkv", "h2o", "streamingllm", "random")
     ratios: tuple[float, ...] = (1.0, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1)
     modes: tuple[str, ...] = ("reuse",)
     batch_size: int = 8
