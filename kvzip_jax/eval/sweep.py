@@ -243,7 +243,7 @@ class Sweep:
 
     def _full_answers(self, batch: Batch, cache: kv.KVCache) -> dict[int, dict]:
         """Per question: the full cache's step-by-step greedy draft, then its answer and teacher-forced
-        log-probabilities from the computation every compressed cache goes through (_answers_forced)."""
+        log-probabilities from the computation every compressed cache goes through (_compressed_answers)."""
         work = answering.copy_cache(cache)
         out = {}
         for i in range(batch.num_questions):
