@@ -26,10 +26,11 @@ def _libc():
     return libc if libc is not None and hasattr(libc, "malloc_trim") else None
 
 
-def release_freed() -> None:
-    """Collects garbage, then hands the allocator's free blocks back to the system (glibc's malloc_trim; a no-op
-    elsewhere)."""
-    gc.collect()
+def release_freed(collect: bool = True) -> None:
+    """Collects garbage (unless collect is False), then hands the allocator's free blocks back to the system
+    (glibc's malloc_trim; a no-op elsewhere)."""
+    if collect:
+        gc.collect()
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)

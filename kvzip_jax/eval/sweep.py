@@ -221,6 +221,7 @@ class Sweep:
                             got = self._compressed_answers(batch, masked, asked, full)
                         del masked
                         self._record(batch, key, got, full, time.perf_counter() - start)
+                        host_memory.release_freed(collect=False)  # the cache copy it answered from
 
     def _scores(self, method, cache, batch, lengths, context_rows, context_tokens, observed):
         """[L, B, K, n] scores of one method; observed: the question index in view (None: no question)."""
