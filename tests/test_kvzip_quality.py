@@ -60,7 +60,8 @@ def test_ratio_0_3_holds_todays_floor(minutes):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 3's bar is not met on Qwen2.5-Coder-0.5B: at 0.3 this context gets 5/6 "
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="issue 3's bar is not met on Qwen2.5-Coder-0.5B: at 0.3 this context gets 5/6 "
                    "right (full cache 6/6) and 1/6 answers equal the full cache's (most turn into full sentences); "
                    "over the eight bundled contexts 36/48 right (full 40/48), 16/48 equal; kvpress KVzipPress with "
                    "the same instruction: 38/48 right (its full cache 40/48), 12/48 equal; even the "
