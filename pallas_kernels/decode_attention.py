@@ -1,0 +1,119 @@
+"""Decode attention over a dense per-head cache, run as a ragged store.
+
+Einsum legend:
+  B batch rows, K KV heads, G query heads per KV head, T new tokens per step, M = G T query rows per KV head (row
+  r = g T + t), C cache capacity (slots per head), H head dim.
+
+A dense cache k, v [B, K, C, H] reshaped to [B, K C, H] (free: contiguous) is a flat store in which head k owns the
+slots [k C, k C + lengths[b, k]); an optional keep mask [B, K, C] becomes the per-slot bias 0 / -inf. So one kernel,
+ragged_decode, serves both caches, and the cost follows the filled lengths, not the capacity C.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .dispatch import MASK_VALUE, KernelInputError
+from .ragged_decode import ragged_decode
+
+
+def _check_inputs(q, k, v, lengths, keep, num_tokens) -> None:
+    """Raise KernelInputError on inconsistent shapes (see decode_attention)."""
+    if q.ndim != 4 or k.ndim != 4:
+        raise KernelInputError(f"q must be [B, K, M, H] and k [B, K, C, H], got {q.shape} and {k.shape}")
+    batch, kv_heads, rows, head_dim = q.shape
+    if k.shape[:2] != (batch, kv_heads) or k.shape[3] != head_dim:
+        raise KernelInputError(f"k {k.shape} does not match q {q.shape} (batch, KV heads, head dim)")
+    if v.shape != k.shape:
+        raise KernelInputError(f"v {v.shape} must have k's shape {k.shape}")
+    if lengths.shape != (batch, kv_heads):
+        raise KernelInputError(f"lengths {lengths.shape} must be [B, K] = {(batch, kv_heads)}")
+    if keep is not None and keep.shape != k.shape[:3]:
+        raise KernelInputError(f"keep {keep.shape} must be [B, K, C] = {k.shape[:3]}")
+    if num_tokens < 1 or rows % num_tokens:
+        raise KernelInputError(f"num_tokens {num_tokens} must be >= 1 and divide the query rows M = {rows}")
+
+
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    keep: jax.Array | None = None,
+    *,
+    scale: float,
+    num_tokens: int = 1,
+    impl: str = "auto",
+    block_k: int = 64,
+    num_splits: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Softmax attention of each KV head's query rows over the filled slots of its dense cache.
+
+    Args:
+      q: [B, K, M, H] query rows per KV head, any float dtype; M = G T, row r = g T + t.
+      k, v: [B, K, C, H] dense cache (bfloat16 or float32); slots >= lengths may hold anything (NaN).
+      lengths: [B, K] integer filled slots per head, clipped to [0, C]; the T new tokens are the last ones written.
+      keep: [B, K, C] bool or None; False slots are invisible (a masked compressed cache).
+      scale, num_tokens, impl, block_k, num_splits: as ragged_decode's.
+
+    Returns:
+      out [B, K, M, H] float32 (0 where no key is visible) and lse [B, K, M] float32 (MASK_VALUE there).
+    """
+    _check_inputs(q, k, v, lengths, keep, num_tokens)
+    batch, kv_heads, capacity, head_dim = k.shape
+    offsets = jnp.broadcast_to(jnp.arange(kv_heads, dtype=jnp.int32) * capacity, (batch, kv_heads))  # [B, K]
+    bias = None
+    if keep is not None:
+        bias = jnp.where(keep, 0.0, -jnp.inf).astype(jnp.float32).reshape(batch, kv_heads * capacity)  # [B, K C]
+    return ragged_decode(
+        q,
+        k.reshape(batch, kv_heads * capacity, head_dim),
+        v.reshape(batch, kv_heads * capacity, head_dim),
+        offsets,
+        jnp.clip(lengths, 0, capacity).astype(jnp.int32),
+        bias,
+        scale=scale,
+        num_tokens=num_tokens,
+        impl=impl,
+        block_k=block_k,
+        num_splits=num_splits,
+    )
+
+
+def decode_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    lengths: jax.Array,
+    keep: jax.Array | None = None,
+    *,
+    scale: float,
+    num_tokens: int = 1,
+) -> tuple[jax.Array, jax.Array]:
+    """The dense jnp oracle of decode_attention (same arguments and results), float32 with HIGHEST precision."""
+    _check_inputs(q, k, v, lengths, keep, num_tokens)
+    rows, capacity = q.shape[2], k.shape[2]
+    lengths = jnp.clip(lengths, 0, capacity)
+    slot = jnp.arange(capacity)  # [C]
+    filled = slot < lengths[..., None]  # [B, K, C]
+    if keep is not None:
+        filled = filled & keep
+    lag = num_tokens - 1 - jnp.arange(rows) % num_tokens  # [M]
+    visible = filled[:, :, None, :] & (slot < (lengths[..., None] - lag)[..., None])  # [B, K, M, C]
+    k32 = jnp.where((slot < lengths[..., None])[..., None], k.astype(jnp.float32), 0.0)  # [B, K, C, H]
+    v32 = jnp.where((slot < lengths[..., None])[..., None], v.astype(jnp.float32), 0.0)  # [B, K, C, H]
+    logits = scale * jnp.einsum(
+        "BKMH,BKCH->BKMC", q.astype(jnp.float32), k32, precision=jax.lax.Precision.HIGHEST
+    )  # [B, K, M, C]
+    logits = jnp.where(visible, logits, -jnp.inf)
+    m = logits.max(axis=-1)  # [B, K, M]
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # [B, K, M]
+    p = jnp.exp(logits - m_safe[..., None])  # [B, K, M, C]
+    l = p.sum(axis=-1)  # [B, K, M]
+    nonempty = l > 0  # [B, K, M]
+    l_safe = jnp.where(nonempty, l, 1.0)  # [B, K, M]
+    out = jnp.einsum("BKMC,BKCH->BKMH", p, v32, precision=jax.lax.Precision.HIGHEST) / l_safe[..., None]
+    out = jnp.where(nonempty[..., None], out, 0.0)  # [B, K, M, H]
+    lse = jnp.where(nonempty, m_safe + jnp.log(l_safe), MASK_VALUE)  # [B, K, M]
+    return out, lse
