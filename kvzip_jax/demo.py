@@ -18,7 +18,7 @@ import jax
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax import kvzip, prompts
+from kvzip_jax import dtypes, kvzip, prompts
 from kvzip_jax.weights import registry
 
 DEFAULT_MODEL = registry.QWEN
@@ -35,15 +35,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", help='JSON list of {"question", "answer"} (default: the bundled three)')
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--ratio", type=float, default=0.3, help="fraction of context KV pairs KVzip keeps")
+    parser.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
+                        help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)")
     args = parser.parse_args(argv)
 
     document = open(args.document).read() if args.document else _data("demo_document.txt")
     qa = json.load(open(args.questions)) if args.questions else json.loads(_data("demo_questions.json"))
 
     start = time.perf_counter()
-    model = registry.load(args.model)
+    model = registry.load(args.model, dtype=args.dtype)
     print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s "
-          f"(jax {jax.__version__}, {jax.default_backend()})")
+          f"{model.dtype} (jax {jax.__version__}, {jax.default_backend()})")
     tok = model.tokenizer
     context, suffixes = prompts.split_for_reuse(tok, document, [item["question"] for item in qa])
     stops = prompts.stop_token_ids(tok)

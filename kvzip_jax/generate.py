@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax import cache as kv
+from kvzip_jax import dtypes
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ContextTooLongError, EmptyInputError
 from kvzip_jax.models.transformer import forward
@@ -64,7 +65,7 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
             chunk: int = DEFAULT_CHUNK, reserve: int = 256):
     """Appends token rows (a list of sequences, or [B, T]) to cache in chunks; returns (last_logits [B, V], cache).
 
-    With no cache, a fresh one is made with capacity `capacity` or the bucket of the longest row plus `reserve`
+    With no cache, a fresh one (in the params' dtype) is made with capacity `capacity` or the bucket of the longest row plus `reserve`
     (room for questions and answers). Appending to an existing cache is multi-turn: positions continue.
     The given cache is donated (its arrays are consumed).
     """
@@ -79,7 +80,8 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
                                   f"{cfg.max_position}")
     if cache is None:
         need = int(lengths.max())
-        cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg))
+        cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg),
+                              dtypes.of_params(params))
     room = np.asarray(cache.room())  # [B]
     if np.any(lengths > room):
         raise ContextTooLongError(f"{int(lengths.max())} new tokens exceed the cache's capacity: room for "

@@ -34,7 +34,7 @@ def restored(smollm2_checkpoint):
 @pytest.fixture
 def smollm2(monkeypatch, smollm2_checkpoint, restored):
     """The checkpoint folder; the CLI's registry.load returns the SmolLM2 restored once for this module."""
-    monkeypatch.setattr(registry, "load", lambda name: restored)
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": restored)
     return smollm2_checkpoint
 
 
@@ -82,7 +82,7 @@ def test_level_head_without_head_scores_says_to_run_head_scores_first(capsys, co
 
 
 def test_an_empty_instruction_exits_2_before_loading_the_model(capsys, monkeypatch, context_file):
-    monkeypatch.setattr(registry, "load", lambda name: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3",
                   "--instruction", " "])
@@ -158,7 +158,7 @@ def test_eval_sweeps_writes_the_report_and_resumes(capsys, smollm2, tmp_path):
     ("--methods", "kvzip,magic", "unknown method"), ("--ratios", "0.5,1.5", "ratio"),
     ("--tasks", "haystacks", "unknown task"), ("--modes", "sometimes", "modes"), ("--ratios", "half", "--ratios")])
 def test_eval_refuses_bad_choices_before_loading_the_model(capsys, monkeypatch, flag, value, fragment):
-    monkeypatch.setattr(registry, "load", lambda name: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["eval", "--model", registry.SMOLLM2, flag, value])
     assert exit_info.value.code == cli.EXIT_USER_ERROR

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import gguf
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -288,14 +290,15 @@ TINY_CONFIGS = {
 }
 
 
-def tiny_hf_model(arch: str, folder: Path) -> dict:
-    """Saves a tiny random transformers model of `arch` into `folder`; returns its state as numpy."""
+def tiny_hf_model(arch: str, folder: Path, dtype=torch.float32) -> dict:
+    """Saves a tiny random transformers model of `arch` (weights in `dtype`) into `folder`; returns its state as
+    numpy."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(TINY_CONFIGS[arch](), dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             param.normal_()  # norms too: Gemma's zero-initialised norms would hide a missing +1
-    model.save_pretrained(folder)
+    model.to(dtype).save_pretrained(folder)
     return numpy_state(model)
 
 
@@ -399,6 +402,43 @@ def test_tiny_gguf_models_convert_like_hf(tiny, tmp_path):
     assert dataclasses.replace(gguf_cfg, rms_norm_eps=cfg.rms_norm_eps, query_scale=cfg.query_scale) == cfg
     assert gguf_cfg.query_scale == pytest.approx(cfg.query_scale, rel=1e-6)
     assert_trees_equal(gguf_params, params, atol=1e-6 if arch == "gemma3" else 0.0)  # float32 (w + 1) - 1 + 1
+
+
+# ---------------------------------------------------------------- precision: checkpoints keep the source's
+
+def _stored_dtypes(checkpoint: Path) -> dict[str, str]:
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as checkpointer:
+        stored = checkpointer.metadata((checkpoint / "params").absolute()).item_metadata
+    return {jax.tree_util.keystr(path): str(leaf.dtype) for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+
+
+def test_bf16_safetensors_stay_bf16_on_disk_and_load_in_either_dtype(tmp_path, smol_tokenizer):
+    folder = tmp_path / "gemma3"
+    tiny_hf_model("gemma3", folder, dtype=torch.bfloat16)
+    cfg, params = params_from_hf(folder)
+    assert params["layers_0"]["qkv"].dtype == ml_dtypes.bfloat16 and params["embed"].dtype == ml_dtypes.bfloat16
+    assert params["final_norm"].dtype == np.float32  # Gemma's 1 + w is computed, in float32, as transformers does
+    out = save_checkpoint(tmp_path / "ck", cfg, params, smol_tokenizer)
+    stored = _stored_dtypes(out)
+    assert stored["['layers_1']['gate_up']"] == "bfloat16" and stored["['embed']"] == "bfloat16"
+    assert stored["['layers_1']['k_norm']"] == "float32"
+    as_stored = load_checkpoint(out)[1]
+    assert as_stored["layers_1"]["o"].dtype == jnp.bfloat16
+    wide = load(out, dtype="float32").params  # bf16 widens exactly
+    assert {leaf.dtype for leaf in jax.tree.leaves(wide)} == {jnp.dtype(jnp.float32)}
+    assert_trees_equal(wide, jax.tree.map(lambda a: np.asarray(a, np.float32), params))
+    narrow = load(out, dtype="bfloat16").params
+    assert {leaf.dtype for leaf in jax.tree.leaves(narrow)} == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(np.asarray(narrow["layers_0"]["qkv"]), params["layers_0"]["qkv"])
+
+
+def test_convert_dtype_flag_narrows_what_is_stored(tmp_path, smol_hf_dir):
+    out = tmp_path / "ck16"
+    assert cli_main(["convert", "--hf", str(smol_hf_dir), "--out", str(out), "--dtype", "bfloat16"]) == 0
+    assert set(_stored_dtypes(out).values()) == {"bfloat16"}
+    assert load(out).dtype == jnp.float32  # auto on CPU: float32, whatever the disk holds
 
 
 # ---------------------------------------------------------------- safetensors shape / key checks, atomicity

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvzip_jax import baselines, kvzip, prompts
+from kvzip_jax import baselines, dtypes, kvzip, prompts
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.eval import answering, host_memory, metrics, sharding
@@ -187,7 +187,7 @@ class Sweep:
         cfg = self.model.cfg
         prefix_len = np.array([c.context_start for c in batch.contexts], np.int32)  # [B]
         context_len = np.array([c.context_end - c.context_start for c in batch.contexts], np.int32)  # [B]
-        empty = sharding.split_batch(kv.init_cache(cfg, batch.size, capacity), self.mesh)
+        empty = sharding.split_batch(kv.init_cache(cfg, batch.size, capacity, dtypes.of_params(self.params)), self.mesh)
         _, cache = gen.prefill(self.params, cfg, [c.ids() for c in batch.contexts], empty)
 
         start = time.perf_counter()

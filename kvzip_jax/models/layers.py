@@ -1,4 +1,8 @@
-"""Stateless building blocks: RMSNorm, rotary embedding and the gated MLP (attention lives in attention.py).
+"""Stateless building blocks: linear maps, RMSNorm, rotary embedding and the gated MLP (attention lives in
+attention.py).
+
+Mixed precision: activations (the residual stream) stay float32 whatever the weights' dtype; a linear map multiplies
+in the weights' dtype (bfloat16 runs on the matrix units) and accumulates in float32.
 
 Einsum legend: B batch, T query positions, D model width, H head dim, F MLP width.
 """
@@ -10,6 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax.config import RopeSpec
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., E] @ w [E, F] in w's dtype, accumulated and returned in float32."""
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -51,6 +60,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 def mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> jax.Array:
     """Gated MLP: act(x W_gate) * (x W_up) W_down. x [B, T, D], gate_up [D, 2F], down [F, D]."""
-    gate, up = jnp.split(x @ gate_up, 2, axis=-1)  # [B, T, F] each
+    gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)  # [B, T, F] each
     act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    return (act * up) @ down
+    return linear(act * up, down)

@@ -41,9 +41,9 @@ class Block(nn.Module):
         N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
 
         h = layers.rms_norm(x, p("attn_norm"), cfg.rms_norm_eps)  # [B, T, D]
-        qkv = h @ p("qkv")  # [B, T, (N + 2K) H]
+        qkv = layers.linear(h, p("qkv"))  # [B, T, (N + 2K) H] float32
         if cfg.qkv_bias:
-            qkv = qkv + p("qkv_bias")
+            qkv = qkv + p("qkv_bias").astype(jnp.float32)
         q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
         q = q.reshape(B, T, N, H)
         k = k.reshape(B, T, K, H)
@@ -67,7 +67,7 @@ class Block(nn.Module):
         else:
             out, observed = self._observe(q, h, layer_cache, k_new, v_new, query_slots, window, o_proj)
             layer_cache = kv.write(layer_cache, k_new, v_new, num_new)
-        attn = out.reshape(B, T, N * H) @ o_proj  # [B, T, D]
+        attn = layers.linear(out.reshape(B, T, N * H), o_proj)  # [B, T, D]
 
         if cfg.sandwich_norms:
             attn = layers.rms_norm(attn, p("post_attn_norm"), cfg.rms_norm_eps)
@@ -122,9 +122,9 @@ class Transformer(nn.Module):
         cfg = self.cfg
         p = _declare(self, param_shapes(cfg))
         embed = p("embed")  # [V, D]
-        x = embed[tokens]  # [B, T, D]
+        x = embed[tokens].astype(jnp.float32)  # [B, T, D]: the residual stream is float32 (layers.py)
         if cfg.embed_scale != 1.0:
-            x = x * jnp.asarray(cfg.embed_scale, x.dtype)
+            x = x * jnp.asarray(cfg.embed_scale, embed.dtype).astype(jnp.float32)  # rounded as HF does
         new_layers, observed = [], []
         for i, layer_cache in enumerate(cache.layers):
             x, layer_cache, obs = Block(cfg, i, self.observer, name=layer_name(i))(x, positions, layer_cache, num_new)
@@ -141,7 +141,7 @@ class Transformer(nn.Module):
             x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, P, D]
         x = layers.rms_norm(x, p("final_norm"), cfg.rms_norm_eps)
         head = embed.T if cfg.tie_embeddings else p("lm_head")  # [D, V]
-        return (x @ head).astype(jnp.float32), new_cache, aux
+        return layers.linear(x, head), new_cache, aux  # [B, ., V] float32 logits
 
 
 def forward(params, tokens, positions, cache: kv.KVCache, cfg: ModelConfig, observer=None, *,

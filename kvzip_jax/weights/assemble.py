@@ -4,7 +4,8 @@ A converter names, for each source tensor, the Slot it fills: a parameter path p
 (`qkv` <- q, k, v; `qkv_bias` <- q, k, v; `gate_up` <- gate, up). Source tensors are in the torch / GGUF-numpy
 layout: linear weights [out, in], embedding [V, D], vectors [n]. `assemble_params` checks every tensor's shape before
 touching it, fills each slot exactly once, transposes linear weights to [in, out], fuses parts along the output axis
-and finally checks that nothing is missing.
+and finally checks that nothing is missing. Tensors keep the source's precision (dtypes.storage: bf16 stays bf16, so
+an 8B model is never written as 32 GB of float32); a transform (un-permute, +1) runs and stores in float32.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from kvzip_jax import dtypes
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import WeightShapeError
 from kvzip_jax.models.params import param_shapes
@@ -71,7 +73,7 @@ def source_shape(cfg: ModelConfig, slot: Slot, shapes: dict) -> tuple[int, ...]:
 
 
 def assemble_params(cfg: ModelConfig, tensors: Iterable[SourceTensor]) -> dict:
-    """Nested float32 numpy parameter tree of `param_shapes(cfg)` from source tensors.
+    """Nested numpy parameter tree of `param_shapes(cfg)` from source tensors, in their storage dtypes.
 
     Raises WeightShapeError naming the tensor on a wrong shape, an unknown or duplicate slot, and listing every
     missing parameter or part at the end.
@@ -89,14 +91,15 @@ def assemble_params(cfg: ModelConfig, tensors: Iterable[SourceTensor]) -> dict:
         if tuple(tensor.shape) != expected:
             raise WeightShapeError(f"tensor {tensor.name!r} has shape {tuple(tensor.shape)}, expected {expected} "
                                    f"for {slot}")
-        value = np.asarray(tensor.load(), dtype=np.float32)
+        value = np.asarray(tensor.load())
+        value = value.astype(dtypes.storage(value), copy=False)
         if value.shape != expected:
             raise WeightShapeError(f"tensor {tensor.name!r} holds {value.shape} values, expected {expected}")
         if tensor.transform is not None:
-            value = tensor.transform(value)
+            value = np.asarray(tensor.transform(value.astype(np.float32)), np.float32)
         if value.ndim == 2 and slot.path[-1] not in NOT_TRANSPOSED:
             value = value.T
-        filled[slot] = (tensor.name, np.ascontiguousarray(value, dtype=np.float32))
+        filled[slot] = (tensor.name, np.ascontiguousarray(value))
 
     missing, flat = [], {}
     for path in shapes:

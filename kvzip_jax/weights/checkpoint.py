@@ -1,6 +1,7 @@
 """Converted checkpoints on disk, written atomically:
 
-  <dir>/params/       orbax (StandardCheckpointer) parameter tree, restored against abstract_params(cfg)
+  <dir>/params/       orbax (StandardCheckpointer) parameter tree in the source's precision (bf16 safetensors stay
+                      bf16 on disk), restored against abstract_params(cfg)'s shapes in the dtype asked for
   <dir>/config.json   ModelConfig.to_dict()
   <dir>/tokenizer/    tokenizer.save_pretrained (chat template included)
 
@@ -60,14 +61,23 @@ def atomic_dir(target: str | Path, overwrite: bool = False):
         raise
 
 
-def _device_target(cfg: ModelConfig) -> dict:
-    """abstract_params with an explicit single-device sharding, so restore places arrays on this host's device."""
+def _device_target(cfg: ModelConfig, stored, dtype) -> dict:
+    """abstract_params' shapes in `dtype` (None: each array's stored dtype, from the checkpoint's metadata `stored`)
+    with an explicit single-device sharding, so restore places arrays on this host's device (orbax casts)."""
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract_params(cfg))
+    stored_dtypes = {jax.tree_util.keystr(path): leaf.dtype
+                     for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+
+    def target(path, s):
+        chosen = dtype or stored_dtypes.get(jax.tree_util.keystr(path), s.dtype)
+        return jax.ShapeDtypeStruct(s.shape, chosen, sharding=sharding)
+
+    return jax.tree_util.tree_map_with_path(target, abstract_params(cfg))
 
 
 def save_checkpoint(directory: str | Path, cfg: ModelConfig, params: dict, tokenizer, overwrite: bool = False) -> Path:
-    """Writes params (any float arrays, stored float32), config and tokenizer into `directory`, atomically."""
+    """Writes params (float arrays, each stored in its own dtype), config and tokenizer into `directory`,
+    atomically."""
     import orbax.checkpoint as ocp
 
     expected = jax.tree.map(lambda s: s.shape, abstract_params(cfg))
@@ -76,7 +86,7 @@ def save_checkpoint(directory: str | Path, cfg: ModelConfig, params: dict, token
         raise WeightShapeError(f"params do not match the layout of the config: got {actual}, expected {expected}")
     with atomic_dir(directory, overwrite) as tmp:
         with ocp.StandardCheckpointer() as checkpointer:
-            checkpointer.save(tmp / PARAMS, jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params))
+            checkpointer.save(tmp / PARAMS, jax.tree.map(jnp.asarray, params))
             checkpointer.wait_until_finished()
         (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
         tokenizer.save_pretrained(str(tmp / TOKENIZER))
@@ -93,8 +103,10 @@ def load_config(directory: str | Path) -> ModelConfig:
         raise ModelFileError(f"{path} is not a kvzip-jax config ({type(e).__name__}: {e})") from None
 
 
-def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict, object]:
-    """(config, parameter tree of float32 jax arrays, tokenizer) from a folder written by save_checkpoint."""
+def load_checkpoint(directory: str | Path, dtype=None) -> tuple[ModelConfig, dict, object]:
+    """(config, parameter tree of jax arrays, tokenizer) from a folder written by save_checkpoint. dtype: the
+    arrays' dtype (cast while reading, so an 8B float32 checkpoint never sits in memory as float32); None: as
+    stored."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory).absolute()
@@ -103,7 +115,8 @@ def load_checkpoint(directory: str | Path) -> tuple[ModelConfig, dict, object]:
     cfg = load_config(directory)
     try:
         with ocp.StandardCheckpointer() as checkpointer:
-            params = checkpointer.restore(directory / PARAMS, _device_target(cfg))
+            stored = checkpointer.metadata(directory / PARAMS).item_metadata
+            params = checkpointer.restore(directory / PARAMS, _device_target(cfg, stored, dtype))
     except ValueError as e:
         raise WeightShapeError(f"{directory / PARAMS} does not match {CONFIG}: {str(e).splitlines()[0]}") from None
     except (OSError, RuntimeError) as e:

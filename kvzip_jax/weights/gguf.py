@@ -1,4 +1,5 @@
-"""GGUF (llama.cpp) files -> ModelConfig and the float32 parameter tree of params.py.
+"""GGUF (llama.cpp) files -> ModelConfig and the parameter tree of params.py (quantized blocks dequantized to
+float32, F16 tensors kept float16).
 
 Metadata keys are `{arch}.*` (block_count, embedding_length, attention.head_count, ...). Tensors are read with
 gguf.GGUFReader and dequantized with gguf.quants.dequantize (every type the installed package implements). Layout

@@ -1,4 +1,4 @@
-"""HF safetensors folders -> ModelConfig and the float32 parameter tree of params.py, without torch.
+"""HF safetensors folders -> ModelConfig and the parameter tree of params.py (source precision), without torch.
 
 Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, with safe_open(framework="numpy")
 (bf16 comes back through ml_dtypes). HF linear weights are [out, in]; assemble.py transposes and fuses them.
@@ -114,7 +114,7 @@ def _slot(cfg: ModelConfig, key: str, prefix: str) -> Slot | None:
 
 
 def params_from_hf(folder: str | Path) -> tuple[ModelConfig, dict]:
-    """(config, float32 numpy parameter tree) from an HF folder: config.json + safetensors (single or sharded)."""
+    """(config, numpy parameter tree in the source's precision) from an HF folder: config.json + safetensors (single or sharded)."""
     folder = Path(folder)
     cfg = ModelConfig.from_hf(folder)
     found = _read_all(safetensors_files(folder))

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+
+from kvzip_jax import dtypes
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ChecksumError, ModelFileError
 from kvzip_jax.weights.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
@@ -45,12 +46,18 @@ def install_command(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
-    """A model ready to run: params are float32 jax arrays laid out as in models/params.py."""
+    """A model ready to run: params are jax arrays of one dtype (float32 or bfloat16) laid out as in
+    models/params.py."""
 
     name: str
     cfg: ModelConfig
     params: dict
     tokenizer: Any
+
+    @property
+    def dtype(self):
+        """The dtype the model (and every cache made for it) runs in."""
+        return dtypes.of_params(self.params)
 
 
 def default_checkpoints_dir() -> Path:
@@ -124,8 +131,9 @@ def bundled_gguf(name: str, checkpoints_dir: str | Path | None = None) -> Path:
 
 
 def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out: str | Path,
-            overwrite: bool = False) -> Path:
-    """Converts an HF folder or a GGUF file into a checkpoint folder `out` (params/, config.json, tokenizer/)."""
+            overwrite: bool = False, dtype: str = dtypes.SOURCE) -> Path:
+    """Converts an HF folder or a GGUF file into a checkpoint folder `out` (params/, config.json, tokenizer/).
+    dtype: "source" keeps the source's precision (dtypes.storage), or "float32" / "bfloat16" for every tensor."""
     if (hf is None) == (gguf is None):
         raise ValueError("give exactly one of hf= or gguf=")
     # The tokenizer first: a source without one fails before the slow weight conversion.
@@ -135,16 +143,17 @@ def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out
     else:
         tokenizer = tokenizer_from_gguf(gguf)
         cfg, params = params_from_gguf(gguf)
+    if dtype != dtypes.SOURCE:
+        target = dtypes.resolve(dtype)
+        params = jax.tree.map(lambda a: a.astype(target), params)
     return save_checkpoint(out, cfg, params, tokenizer, overwrite=overwrite)
 
 
-def _as_jax(params: dict) -> dict:
-    return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), params)
-
-
-def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None) -> LoadedModel:
+def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dtype="auto") -> LoadedModel:
     """A bundled model by name (converted into <checkpoints_dir>/<name>/ on first use), or a path: a converted
-    checkpoint folder, an HF folder (config.json + safetensors) or a .gguf file."""
+    checkpoint folder, an HF folder (config.json + safetensors) or a .gguf file. dtype: "auto" (bfloat16 on GPU and
+    TPU, float32 on CPU), "float32" or "bfloat16"; the params come in it, whatever precision the files store."""
+    dtype = dtypes.resolve(dtype)
     if str(name_or_path) in BUNDLED:
         name = str(name_or_path)
         directory = Path(checkpoints_dir or default_checkpoints_dir()) / name
@@ -154,21 +163,22 @@ def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None) ->
             except ModelFileError:
                 if not is_checkpoint(directory):  # else a concurrent loader converted it first
                     raise
-        return LoadedModel(name, *load_checkpoint(directory))
+        return LoadedModel(name, *load_checkpoint(directory, dtype))
     path = Path(name_or_path)
     if is_checkpoint(path):
-        return LoadedModel(path.name, *load_checkpoint(path))
+        return LoadedModel(path.name, *load_checkpoint(path, dtype))
     if path.is_dir() and (path / "config.json").is_file():
         cfg, params = params_from_hf(path)
-        return LoadedModel(path.name, cfg, _as_jax(params), tokenizer_from_hf(path))
+        return LoadedModel(path.name, cfg, dtypes.cast_params(params, dtype), tokenizer_from_hf(path))
     if path.is_file():
         cfg, params = params_from_gguf(path)
-        return LoadedModel(path.stem, cfg, _as_jax(params), tokenizer_from_gguf(path))
+        return LoadedModel(path.stem, cfg, dtypes.cast_params(params, dtype), tokenizer_from_gguf(path))
     raise ModelFileError(f"{name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint "
                          "folder, an HF folder or a GGUF file")
 
 
-def load_random(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, seed: int = 0) -> LoadedModel:
+def load_random(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, seed: int = 0,
+                dtype="auto") -> LoadedModel:
     """A converted checkpoint's config and tokenizer with random params (its params/ are not read): for timing
     runs on machines that do not hold the weights."""
     from kvzip_jax.models.params import init_params
@@ -177,5 +187,6 @@ def load_random(name_or_path: str | Path, checkpoints_dir: str | Path | None = N
     directory = Path(checkpoints_dir or default_checkpoints_dir()) / str(name_or_path) \
         if str(name_or_path) in BUNDLED else Path(name_or_path)
     cfg = load_config(directory)
-    return LoadedModel(directory.name, cfg, init_params(cfg, seed), tokenizer_from_hf(directory / TOKENIZER))
+    return LoadedModel(directory.name, cfg, dtypes.cast_params(init_params(cfg, seed), dtype),
+                       tokenizer_from_hf(directory / TOKENIZER))
 

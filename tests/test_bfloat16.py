@@ -1,0 +1,77 @@
+"""bfloat16 against float32 on the real models: teacher-forced next-token agreement and KVzip's kept sets.
+
+Both runs share everything but the dtype of params and cache (softmax, norms, RoPE, scores and logits accumulate in
+float32 either way), so what differs is bfloat16's 8-bit mantissa on weights, activations and cached keys/values.
+"""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvzip_jax import dtypes, kvzip, prompts
+from kvzip_jax import generate as gen
+from kvzip_jax.weights.gguf import params_from_gguf
+from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
+
+DOCUMENT = (Path(__file__).resolve().parents[1] / "kvzip_jax" / "data" / "demo_document.txt").read_text()
+POSITIONS = 1200  # teacher-forced positions compared (the issue asks for >= 1,000)
+RATIO = 0.3
+
+
+@pytest.fixture(scope="module", params=["smollm2_gguf", "qwen_gguf"])
+def model_pair(request):
+    """(name, tokenizer, cfg, float32 params, bfloat16 params)."""
+    path = request.getfixturevalue(request.param)
+    cfg, params = params_from_gguf(path)
+    return path.stem, tokenizer_from_gguf(path), cfg, dtypes.cast_params(params, "float32"), dtypes.cast_params(
+        params, "bfloat16")
+
+
+def _context(tok, limit: int) -> np.ndarray:
+    """[prefix | context] token ids of the demo document's first `limit` tokens, with its prompt layout."""
+    ids = prompts.encode_text(tok, DOCUMENT)
+    assert len(ids) >= limit, "the demo document is shorter than the positions the test needs"
+    prompt, _ = prompts.split_for_reuse(tok, tok.decode(ids[:limit]), [])
+    return prompt, prompt.ids()[:prompt.context_end]
+
+
+def _next_tokens(params, cfg, tokens) -> np.ndarray:
+    """Teacher-forced argmax next token at every position, from one prefill with logits at every position."""
+    cache = gen.kv.init_cache(cfg, 1, gen.capacity_for(len(tokens), cfg), dtypes.of_params(params))
+    positions = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+    logits, cache, _ = jax.jit(gen.forward, static_argnames=("cfg", "logits"))(
+        params, jnp.asarray(tokens)[None], positions, cache, cfg, logits="all")
+    assert logits.dtype == jnp.float32 and cache.layers[0].k.dtype == dtypes.of_params(params)
+    return np.asarray(jnp.argmax(logits[0], axis=-1))
+
+
+def test_bfloat16_predicts_the_float32_next_token(model_pair):
+    name, tok, cfg, p32, p16 = model_pair
+    _, tokens = _context(tok, POSITIONS)
+    a, b = _next_tokens(p32, cfg, tokens), _next_tokens(p16, cfg, tokens)
+    agreement = float(np.mean(a == b))
+    print(f"{name}: bfloat16 top-1 agrees with float32 at {agreement:.2%} of {len(a)} positions")
+    assert len(a) >= 1000
+    assert agreement >= 0.99
+
+
+def test_bfloat16_keeps_the_float32_kvzip_pairs(model_pair):
+    name, tok, cfg, p32, p16 = model_pair
+    prompt, tokens = _context(tok, 1000)
+    prefix_len, context_len = prompt.context_start, prompt.context_end - prompt.context_start
+    keeps = []
+    for params in (p32, p16):
+        _, cache = gen.prefill(params, cfg, [tokens])
+        reread = kvzip.reread_inputs(tok, [prefix_len], [tokens[prefix_len:]])
+        scores = kvzip.score(params, cfg, cache, reread)
+        assert scores.dtype == jnp.float32
+        keeps.append(np.asarray(kvzip.keep_mask(scores, jnp.asarray([context_len]), RATIO,
+                                                evictable=kvzip.scoring.evictable_layers(cfg))))
+    kept32, kept16 = keeps
+    overlap = float((kept32 & kept16).sum() / kept32.sum())
+    print(f"{name}: bfloat16 keeps {overlap:.2%} of float32's top-{RATIO:.0%} pairs")
+    assert kept32.sum() == kept16.sum()
+    assert overlap >= 0.97
