@@ -203,13 +203,27 @@ def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context
     return dataclasses.replace(cache, layers=tuple(layers))
 
 
+STORE_STEPS = 8  # store sizes per octave (power of two): a bucket wastes at most 1/8 of the slots
+
+
+def store_bucket(slots: int, minimum: int = 64) -> int:
+    """The ragged store size for `slots` needed slots: the smallest m 2^e >= slots with m in [STORE_STEPS,
+    2 STORE_STEPS) and a multiple of RAGGED_BLOCK, at least `minimum`. Nearby sizes share a bucket, so a new context
+    or ratio usually reuses the compiled decode step; past 128 slots the slack is at most 1/STORE_STEPS."""
+    slots = max(slots, minimum)
+    step = max(1 << max(slots.bit_length() - STORE_STEPS.bit_length(), 0), RAGGED_BLOCK)  # slots / step in [8, 16)
+    return -(-slots // step) * step
+
+
 def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
     """A ragged compressed cache from a masked one: each (layer, KV head) keeps only its visible filled slots, in
     their original order, in a segment of the layer's flat store with `room` free slots for tokens appended later
     (question, answer). Keys keep their original RoPE positions; next_position is unchanged.
 
-    Runs on the host: the kept counts set the shapes. Each layer's store is rounded up to `multiple` slots, so
-    the device bytes are about ratio x the filled full cache, plus the room.
+    Runs on the host: the kept counts set the shapes. Each layer's store size is a bucket (store_bucket, at least
+    `multiple` slots), so the device bytes are about ratio x the filled full cache plus the room (1/8 more at most,
+    past 128 slots),
+    and nearby contexts and ratios share compiled steps.
     """
     if room < 0:
         raise ValueError(f"room must be >= 0, got {room}")
@@ -219,7 +233,7 @@ def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
         block = RAGGED_BLOCK
         segments = -(-(kept_l + room) // block) * block  # [B, K] slots per head, whole blocks
         offsets = np.cumsum(segments, axis=1) - segments  # [B, K]
-        size = int(-(-int(segments.sum(axis=1).max()) // multiple) * multiple)
+        size = store_bucket(int(segments.sum(axis=1).max()), multiple)
         offsets = jax.device_put(offsets.astype(np.int32), layer.k.sharding)  # committed like the rest: one compile
         layers.append(_pack_layer(layer, offsets, size, block))
     return KVCache(layers=tuple(layers), next_position=jnp.array(cache.next_position))  # a copy: donation-safe

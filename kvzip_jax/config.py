@@ -21,6 +21,7 @@ from typing import Any, Mapping
 import jax
 
 from kvzip_jax.errors import ModelFileError, UnsupportedArchitectureError
+from pallas_kernels.dispatch import IMPLS
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 FULL, SLIDING = "full", "sliding"
@@ -88,6 +89,9 @@ class ModelConfig:
     activation: str = "silu"  # silu | gelu_tanh
     embed_scale: float = 1.0  # Gemma: sqrt(D)
     query_scale: float = 0.0  # multiplies q.k; 0 means head_dim ** -0.5
+    # A kernel flag, not part of the model (never saved): "auto" | "xla" | "pallas" for decode attention and the
+    # KVzip score reduction (pallas_kernels.resolve_impl; auto is Pallas on a CUDA GPU, XLA elsewhere).
+    attention_impl: str = "auto"
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -100,6 +104,8 @@ class ModelConfig:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        if self.attention_impl not in IMPLS:
+            raise ValueError(f"attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
         if self.query_scale == 0.0:
             object.__setattr__(self, "query_scale", self.head_dim**-0.5)
 
@@ -117,7 +123,10 @@ class ModelConfig:
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The model's description (attention_impl, a runtime choice, left out)."""
+        d = dataclasses.asdict(self)
+        del d["attention_impl"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":

@@ -65,8 +65,8 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
             chunk: int = DEFAULT_CHUNK, reserve: int = 256):
     """Appends token rows (a list of sequences, or [B, T]) to cache in chunks; returns (last_logits [B, V], cache).
 
-    With no cache, a fresh one (in the params' dtype) is made with capacity `capacity` or the bucket of the longest row plus `reserve`
-    (room for questions and answers). Appending to an existing cache is multi-turn: positions continue.
+    With no cache, a fresh one (in the params' dtype) is made with capacity `capacity` or the bucket of the longest
+    row plus `reserve` (room for questions and answers). Appending to an existing cache is multi-turn: positions continue.
     The given cache is donated (its arrays are consumed).
     """
     rows = _as_rows(tokens)

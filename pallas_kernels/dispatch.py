@@ -92,6 +92,11 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """Whether the kernels take this head dim (a power of two >= 16); callers fall back to XLA otherwise."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def check_power_of_two(name: str, value: int, minimum: int = 16) -> None:
     """Raise KernelInputError unless `value` is a power of two >= `minimum` (Triton block and dot constraints)."""
     if value < minimum or value & (value - 1):

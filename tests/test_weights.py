@@ -411,7 +411,8 @@ def _stored_dtypes(checkpoint: Path) -> dict[str, str]:
 
     with ocp.StandardCheckpointer() as checkpointer:
         stored = checkpointer.metadata((checkpoint / "params").absolute()).item_metadata
-    return {jax.tree_util.keystr(path): str(leaf.dtype) for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    flat = jax.tree_util.tree_flatten_with_path(stored)[0]
+    return {jax.tree_util.keystr(path): str(leaf.dtype) for path, leaf in flat}
 
 
 def test_bf16_safetensors_stay_bf16_on_disk_and_load_in_either_dtype(tmp_path, smol_tokenizer):

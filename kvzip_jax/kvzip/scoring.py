@@ -24,6 +24,8 @@ from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.errors import KvzipError
 from kvzip_jax.models.attention import MASK_VALUE, AttentionView, map_key_blocks
 from kvzip_jax.models.transformer import forward
+from pallas_kernels import resolve_impl, score_max
+from pallas_kernels.dispatch import supports_head_dim
 
 DEFAULT_CHUNK = 2048  # reread chunk: the KVzip paper's "2K" (its code uses 2,000; kvpress KVzipPress 2,048)
 ANCHOR_TOKENS = 8  # KVzip code (prev_postfix_size=8): the previous chunk's last 8 tokens open the next reread
@@ -57,6 +59,7 @@ class RereadObserver:
     kvzip_plus: bool = _static(False)
     scored_layers: tuple[int, ...] | None = _static(None)  # None: all; others get zeros (never evicted)
     whole_cache: bool = _static(False)  # one chunk: the cache holds only [prefix | this chunk]
+    impl: str = _static("auto")  # the max-over-rows reduction: pallas_kernels.score_max or XLA key blocks
 
     def __call__(self, view: AttentionView) -> jax.Array:
         B, T, K, G, H = view.q.shape
@@ -80,6 +83,10 @@ class RereadObserver:
         elif self.kvzip_plus:
             qm = qm / query_norm[..., None]
         bias = jnp.where(real_row, bias, MASK_VALUE)
+        if not self.kvzip_plus and resolve_impl(self.impl) == "pallas" and supports_head_dim(H):
+            dtype = view.k.dtype  # products in the cache's dtype (bf16 on the matrix units), accumulated in float32
+            return score_max(qm.reshape(B, K, G * T, H).astype(dtype), chunk_k.astype(dtype),
+                             bias.reshape(B, K, G * T), exp=self.variant == "softmax", impl=self.impl)  # [B, K, m]
         o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
 
         def block_scores(kb, vb):  # keys, values [B, K, S, H] -> [B, K, S]
@@ -222,7 +229,7 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         observer = RereadObserver(
             prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
             num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
-            scored_layers=evictable_layers(cfg), whole_cache=num_chunks == 1)
+            scored_layers=evictable_layers(cfg), whole_cache=num_chunks == 1, impl=cfg.attention_impl)
         positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
         _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)

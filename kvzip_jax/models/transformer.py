@@ -17,6 +17,8 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models import attention, layers
 from kvzip_jax.models.params import layer_name, param_shapes
+from pallas_kernels import decode_attention, ragged_decode, resolve_impl
+from pallas_kernels.dispatch import supports_head_dim
 
 LOGITS_CHOICES = ("last", "all", "at", None)
 
@@ -81,6 +83,8 @@ class Block(nn.Module):
     def _attend_written(self, q, layer_cache, query_slots, window):
         """Attention over a cache that already holds this step's keys -> out [B, T, K, G, H]."""
         scale, filled = self.cfg.query_scale, layer_cache.lengths
+        if _decode_kernel_applies(self.cfg, q, window):
+            return _decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
         if isinstance(layer_cache, kv.RaggedLayerCache):
             out, _, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, None,
                                                    None, query_slots, window, scale, layer_cache.block)
@@ -108,6 +112,25 @@ class Block(nn.Module):
             key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
             lse=lse, subset_lse=subset_lse, o_proj=o_proj, scale=cfg.query_scale))
         return out, observed
+
+
+def _decode_kernel_applies(cfg: ModelConfig, q, window) -> bool:
+    """Whether a decode step (one new token; no sliding window) runs on the Pallas decode kernels."""
+    return (q.shape[1] == 1 and window is None and resolve_impl(cfg.attention_impl) == "pallas"
+            and supports_head_dim(cfg.head_dim))
+
+
+def _decode_kernel(q, layer_cache, scale: float, impl: str):
+    """pallas_kernels' decode over a cache holding this step's key: q [B, 1, K, G, H] -> out [B, 1, K, G, H]."""
+    B, T, K, G, H = q.shape
+    rows = q.reshape(B, K, G, H).astype(layer_cache.k.dtype)  # [B, K, M = G, H], multiplied in the cache's dtype
+    if isinstance(layer_cache, kv.RaggedLayerCache):
+        out, _ = ragged_decode(rows, layer_cache.k, layer_cache.v, layer_cache.offsets, layer_cache.lengths,
+                               scale=scale, impl=impl)
+    else:
+        out, _ = decode_attention(rows, layer_cache.k, layer_cache.v, layer_cache.lengths, layer_cache.keep,
+                                  scale=scale, impl=impl)
+    return out.reshape(B, T, K, G, H)  # float32
 
 
 class Transformer(nn.Module):

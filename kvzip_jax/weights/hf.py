@@ -114,7 +114,8 @@ def _slot(cfg: ModelConfig, key: str, prefix: str) -> Slot | None:
 
 
 def params_from_hf(folder: str | Path) -> tuple[ModelConfig, dict]:
-    """(config, numpy parameter tree in the source's precision) from an HF folder: config.json + safetensors (single or sharded)."""
+    """(config, numpy parameter tree in the source's precision) from an HF folder: config.json + safetensors
+    (single or sharded)."""
     folder = Path(folder)
     cfg = ModelConfig.from_hf(folder)
     found = _read_all(safetensors_files(folder))

@@ -8,7 +8,6 @@ it (they change nearly every value).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 
@@ -22,8 +21,8 @@ SAMPLES = 4096  # values read per parameter leaf
 
 
 def config_hash(cfg: ModelConfig) -> str:
-    """16 hex digits of the config's fields (sorted JSON)."""
-    text = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    """16 hex digits of the config's model fields (sorted JSON of to_dict)."""
+    text = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

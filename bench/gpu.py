@@ -1,0 +1,268 @@
+"""The one prepared device script: KVzip at the paper's scale on one GPU, impl=xla and impl=pallas side by side.
+
+    python bench/gpu.py            # on the GPU machine (fits one call of <= 8 minutes on one H200)
+    python bench/gpu.py --smoke    # the same code at tiny sizes on CPU (Pallas in interpret mode): CI's check
+
+Random weights at real configurations (weights do not travel to the device; the configs are written below):
+LLaMA-3.1-8B in bfloat16 at 32K and 124K context tokens, batch 1; SmolLM2-135M and Qwen2.5-0.5B at 4K and 32K,
+batch 8. For each case and each impl:
+  - prefill time and model FLOP utilisation (models/flops.py FLOPs / time / the device's peak), at the context of
+    --prefill-tokens at most (stated per row);
+  - KVzip scoring time / prefill time, and scoring's extra device memory (the compiled scoring program's temporary
+    and output bytes) against the cache's bytes;
+  - decode ms per token for the full, masked-0.3 and ragged-0.3 caches: attention alone (every layer's attention
+    over its cache, one jitted call) and the whole step (forward_step, cache donated); decode caches are synthetic
+    (random keys and values, kept sets drawn per head as KVzip's uneven head budgets are), so 124K decode does not
+    wait on a 124K prefill;
+  - the decode step's achieved HBM bandwidth: bytes it must read (params + visible K/V pairs) / time, against the
+    device's peak.
+Every figure is measured in this run; nothing is copied from elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax import kvzip
+from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
+from kvzip_jax.models import attention
+from kvzip_jax.models.flops import kvzip_scoring_flops, prefill_flops
+from kvzip_jax.models.params import param_shapes
+from pallas_kernels import decode_attention, ragged_decode
+
+# Real configurations (HF config.json values).
+LLAMA_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                       num_kv_heads=8, head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5, max_position=131072,
+                       rope=RopeSpec(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), tie_embeddings=False)
+SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5, max_position=32768,
+                      rope=RopeSpec(100000.0))
+QWEN_05B = ModelConfig(architecture="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
+                       num_kv_heads=2, head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, max_position=32768,
+                       rope=RopeSpec(1000000.0), qkv_bias=True)
+# (name, config, batch, context tokens); 124K = 126,976 tokens, the paper's LLaMA3.1-8B setting.
+CASES = [("llama3.1-8b", LLAMA_8B, 1, (32768, 126976)), ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),
+         ("qwen2.5-0.5b", QWEN_05B, 8, (4096, 32768))]
+SMOKE = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                    head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, max_position=4096, rope=RopeSpec(10000.0))
+SMOKE_CASES = [("smoke", SMOKE, 2, (192,))]
+PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, dense bf16 FLOP/s
+RATIO = 0.3
+REREAD_PROMPT = 16  # tokens of the reread prompt before each chunk (KVzip's is about this long)
+
+
+def device_peaks() -> tuple[str, float | None, float | None]:
+    kind = jax.devices()[0].device_kind
+    for name, (bandwidth, flops) in PEAKS.items():
+        if name in kind:
+            return kind, bandwidth, flops
+    return kind, None, None
+
+
+def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
+    """Random params drawn on the device in `dtype` (an 8B model never passes through host memory)."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    drawn = [jnp.ones(s, dtype) if "norm" in path else (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
+             for path, s, k in zip(paths, leaves, keys)]
+    return jax.tree.unflatten(treedef, drawn)
+
+
+def timed(fn, repeats: int = 3) -> float:
+    """Best wall time of fn() (which returns arrays) over `repeats`, after one warm-up call."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def synthetic_cache(cfg: ModelConfig, batch: int, tokens: int, dtype, seed: int = 0) -> kv.KVCache:
+    """A dense cache holding `tokens` random keys/values per head, with room for decode steps."""
+    capacity = gen.capacity_for(tokens + 64, cfg)
+    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    key = jax.random.key(seed)
+    layers = []
+    for i in range(cfg.num_layers):
+        kk, kv_ = jax.random.split(jax.random.fold_in(key, i))
+        layers.append(kv.LayerCache(k=jax.random.normal(kk, shape, jnp.float32).astype(dtype),
+                                    v=jax.random.normal(kv_, shape, jnp.float32).astype(dtype),
+                                    lengths=jnp.full((batch, cfg.num_kv_heads), tokens, jnp.int32)))
+    return kv.KVCache(layers=tuple(layers), next_position=jnp.full((batch,), tokens, jnp.int32))
+
+
+def compressed(cfg: ModelConfig, cache: kv.KVCache, tokens: int, seed: int = 1):
+    """(masked, ragged) at RATIO from KVzip-like scores: a per-head level times per-pair noise, so heads keep
+    uneven shares (as KVzip's do) and the prefix (first 4 slots) is never evicted."""
+    rng = np.random.default_rng(seed)
+    L, B, K, n = cfg.num_layers, cache.batch_size, cfg.num_kv_heads, tokens - 4
+    scores = rng.random((L, B, K, 1), np.float32) ** 3 * rng.random((L, B, K, n), np.float32)
+    keep = kvzip.keep_mask(jnp.asarray(scores), jnp.full((B,), n, jnp.int32), RATIO)
+    masked = kv.mask_context(cache, keep, jnp.full((B,), 4, jnp.int32), jnp.full((B,), n, jnp.int32))
+    return masked, kv.pack(masked, room=64)
+
+
+def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
+    """Seconds of one decode step's attention over every layer's cache (no projections, no MLP)."""
+    B, K, G, H = cache.batch_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    q = jax.random.normal(jax.random.key(3), (B, 1, K, G, H), jnp.float32).astype(cache.layers[0].k.dtype)
+
+    @jax.jit
+    def run(q, cache):
+        total = jnp.zeros((), jnp.float32)
+        for layer in cache.layers:
+            if impl == "pallas":
+                rows = q.reshape(B, K, G, H)
+                if isinstance(layer, kv.RaggedLayerCache):
+                    out, _ = ragged_decode(rows, layer.k, layer.v, layer.offsets, layer.lengths,
+                                           scale=cfg.query_scale, impl="pallas")
+                else:
+                    out, _ = decode_attention(rows, layer.k, layer.v, layer.lengths, layer.keep,
+                                              scale=cfg.query_scale, impl="pallas")
+            else:
+                slots = layer.lengths[:, :, None] - 1  # [B, K, 1] the query sits at the last filled slot
+                if isinstance(layer, kv.RaggedLayerCache):
+                    out, _, _ = attention.ragged_attention(q, layer.k, layer.v, layer.offsets, layer.lengths, None,
+                                                           None, slots, None, cfg.query_scale, layer.block)
+                else:
+                    out, _, _ = attention.blocked_attention(q, layer.k, layer.v, layer.lengths, None, None, slots,
+                                                            None, cfg.query_scale, layer.keep)
+            total = total + out.astype(jnp.float32).sum()
+        return total
+
+    return timed(lambda: run(q, cache))
+
+
+def decode_step(params, cfg: ModelConfig, cache: kv.KVCache, steps: int) -> float:
+    """Seconds per token of forward_step on `cache` (donated and threaded through `steps` tokens)."""
+    B = cache.batch_size
+    token, one = jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)
+    cache = jax.tree.map(jnp.copy, cache)
+    for _ in range(2):  # compile (twice: a packed cache's first output differs from it in committedness)
+        _, cache = gen.forward_step(params, token, one, cache, cfg)
+    jax.block_until_ready(cache)
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits, cache = gen.forward_step(params, token, one, cache, cfg)
+    jax.block_until_ready(logits)
+    return (time.perf_counter() - start) / steps
+
+
+def step_bytes(params, cache: kv.KVCache) -> int:
+    """Bytes a decode step must read: every parameter once and the visible K/V pairs."""
+    return sum(x.nbytes for x in jax.tree.leaves(params)) + kv.used_bytes(cache)
+
+
+def reread_inputs(cfg: ModelConfig, batch: int, tokens: int, chunk: int, seed: int = 2) -> RereadInputs:
+    """Random reread inputs for rows holding [4 prefix | tokens - 4 context] (tokens as KVzip's would be laid out)."""
+    rng = np.random.default_rng(seed)
+    n = tokens - 4
+    num_chunks = -(-n // chunk)
+    width = -(-(REREAD_PROMPT + min(chunk, n)) // 64) * 64
+    lengths = np.clip(n - chunk * np.arange(num_chunks), 0, chunk)  # [C]
+    return RereadInputs(
+        tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (num_chunks, batch, width)), jnp.int32),
+        num_valid=jnp.asarray(np.broadcast_to((REREAD_PROMPT + lengths)[:, None], (num_chunks, batch)), jnp.int32),
+        chunk_start=jnp.asarray(np.broadcast_to((4 + chunk * np.arange(num_chunks))[:, None], (num_chunks, batch)),
+                                jnp.int32),
+        chunk_len=jnp.asarray(np.broadcast_to(lengths[:, None], (num_chunks, batch)), jnp.int32),
+        prefix_len=jnp.full((batch,), 4, jnp.int32), context_len=jnp.full((batch,), n, jnp.int32),
+        chunk_size=min(chunk, -(-n // 64) * 64))
+
+
+def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: int, peak_flops) -> dict:
+    """Prefill time and MFU; KVzip scoring time, its ratio to prefill, and its extra device memory."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, (batch, tokens)).astype(np.int32)
+    capacity = gen.capacity_for(tokens + 64, cfg)
+    dtype = params["embed"].dtype
+    run_prefill = lambda: gen.prefill(params, cfg, ids, kv.init_cache(cfg, batch, capacity, dtype))
+    prefill_s = timed(run_prefill, repeats=1)
+    _, cache = run_prefill()
+    reread = reread_inputs(cfg, batch, tokens, chunk)
+    score = jax.jit(kvzip.score)
+    compiled = score.lower(params, cfg, cache, reread).compile()
+    memory = compiled.memory_analysis()
+    extra = None if memory is None else memory.temp_size_in_bytes + memory.output_size_in_bytes
+    score_s = timed(lambda: compiled(params, cfg, cache, reread), repeats=1)
+    flops = batch * prefill_flops(cfg, tokens)
+    score_flops = batch * kvzip_scoring_flops(cfg, tokens, [int(w) for w in reread.num_valid[:, 0]],
+                                              [int(c) for c in reread.chunk_len[:, 0]], len(evictable_layers(cfg)))
+    mfu = None if not peak_flops else flops / prefill_s / peak_flops
+    return dict(prefill_tokens=tokens, prefill_s=prefill_s, mfu=mfu,
+                score_s=score_s, score_flop_ratio=score_flops / flops, score_extra_bytes=extra,
+                cache_bytes=kv.used_bytes(cache))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (Pallas in interpret mode)")
+    parser.add_argument("--cases", help="comma-separated case names (default: all)")
+    parser.add_argument("--prefill-tokens", type=int, default=32768, help="longest context prefilled and scored")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--chunk-size", type=int, default=kvzip.scoring.DEFAULT_CHUNK)
+    args = parser.parse_args(argv)
+    cases = SMOKE_CASES if args.smoke else CASES
+    if args.cases:
+        cases = [c for c in cases if c[0] in args.cases.split(",")]
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    chunk = 64 if args.smoke else args.chunk_size
+    kind, peak_bw, peak_flops = device_peaks()
+    print(f"device {kind} ({jax.default_backend()}), jax {jax.__version__}; params and caches {jnp.dtype(dtype).name}; "
+          f"ratio {RATIO}; peaks: HBM {peak_bw and peak_bw / 1e12} TB/s, bf16 {peak_flops and peak_flops / 1e12} "
+          "TFLOP/s")
+    for name, base, batch, contexts in cases:
+        params = random_params(base, dtype)
+        for tokens in contexts:
+            print(f"\n== {name}, batch {batch}, {tokens:,} context tokens ==")
+            for impl in ("xla", "pallas"):
+                cfg = dataclasses.replace(base, attention_impl=impl)
+                started = time.perf_counter()
+                if tokens <= args.prefill_tokens:
+                    p = prefill_and_score(params, cfg, batch, tokens, chunk, peak_flops)
+                    mfu = "" if p["mfu"] is None else f", MFU {p['mfu']:.1%}"
+                    extra, cache_bytes = p["score_extra_bytes"], p["cache_bytes"]
+                    extra = "n/a" if extra is None else \
+                        f"{extra / 2**20:.1f} MiB = {extra / cache_bytes:.1%} of the cache"
+                    print(f"[{impl}] prefill {p['prefill_s']:.3f} s{mfu}; KVzip scoring {p['score_s']:.3f} s = "
+                          f"{p['score_s'] / p['prefill_s']:.2f}x prefill (FLOP ratio {p['score_flop_ratio']:.2f}); "
+                          f"scoring's extra device memory {extra}")
+                else:
+                    print(f"[{impl}] prefill and scoring not run at {tokens:,} tokens (--prefill-tokens "
+                          f"{args.prefill_tokens:,}); decode below uses a synthetic cache")
+                full = synthetic_cache(cfg, batch, tokens, dtype)
+                masked, ragged = compressed(cfg, full, tokens)
+                figures = {}
+                for form, cache in (("full", full), ("masked", masked), ("ragged", ragged)):
+                    attn_s = attention_alone(cfg, cache, impl)
+                    step_s = decode_step(params, cfg, cache, args.decode_steps)
+                    figures[form] = attn_s
+                    bw = step_bytes(params, cache) / step_s
+                    share = "" if not peak_bw else f" = {bw / peak_bw:.0%} of peak"
+                    print(f"[{impl}] decode {form:>6}: attention {attn_s * 1e3:8.3f} ms, step {step_s * 1e3:8.3f} "
+                          f"ms/token, {bw / 1e9:7.1f} GB/s{share}; KV {kv.used_bytes(cache) / 2**20:,.1f} MiB visible, "
+                          f"{kv.nbytes(cache) / 2**20:,.1f} MiB allocated")
+                print(f"[{impl}] attention speed-up at {RATIO}: ragged {figures['full'] / figures['ragged']:.2f}x, "
+                      f"masked {figures['full'] / figures['masked']:.2f}x over the full cache "
+                      f"({time.perf_counter() - started:.0f} s for this row)", flush=True)
+                del full, masked, ragged
+        del params
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
