@@ -152,8 +152,7 @@ def decode_step(params, cfg: ModelConfig, cache: kv.KVCache, steps: int) -> floa
     B = cache.batch_size
     token, one = jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)
     cache = jax.tree.map(jnp.copy, cache)
-    for _ in range(2):  # compile (twice: a packed cache's first output differs from it in committedness)
-        _, cache = gen.forward_step(params, token, one, cache, cfg)
+    _, cache = gen.forward_step(params, token, one, cache, cfg)  # compile
     jax.block_until_ready(cache)
     start = time.perf_counter()
     for _ in range(steps):

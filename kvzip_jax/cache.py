@@ -234,7 +234,9 @@ def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
         segments = -(-(kept_l + room) // block) * block  # [B, K] slots per head, whole blocks
         offsets = np.cumsum(segments, axis=1) - segments  # [B, K]
         size = store_bucket(int(segments.sum(axis=1).max()), multiple)
-        offsets = jax.device_put(offsets.astype(np.int32), layer.k.sharding)  # committed like the rest: one compile
+        # Placed as the layer is (committed to its sharding, or not), so the packed cache and the caches a jitted
+        # step returns from it look alike to jit: one compile.
+        offsets = jax.device_put(offsets.astype(np.int32), layer.k.sharding if layer.k.committed else None)
         layers.append(_pack_layer(layer, offsets, size, block))
     return KVCache(layers=tuple(layers), next_position=jnp.array(cache.next_position))  # a copy: donation-safe
 

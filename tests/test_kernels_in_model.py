@@ -128,3 +128,10 @@ def test_a_new_context_reuses_the_compiled_ragged_decode_step():
     for cache in caches:
         step(PARAMS, cache)
     assert step._cache_size() == 1
+    # A packed cache and the cache a jitted decode step returns from it compile once between them.
+    token, one = jnp.asarray([[7]]), jnp.ones((1,), jnp.int32)
+    advance = jax.jit(gen.append_tokens, static_argnames=("logits",))
+    cache = caches[0]
+    for _ in range(3):
+        _, cache = advance(PARAMS, token, one, cache, CFG)
+    assert advance._cache_size() == 1
