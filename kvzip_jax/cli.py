@@ -30,6 +30,7 @@ from pathlib import Path
 
 from kvzip_jax import dtypes
 from kvzip_jax.errors import EmptyInputError, KvzipError
+from pallas_kernels.dispatch import IMPLS
 
 EXIT_USER_ERROR = 2
 INTERACTIVE_QUESTION_ROOM = 256  # tokens reserved for a question read from stdin
@@ -78,9 +79,19 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_dtype(parser) -> None:
+def _add_runtime(parser) -> None:
     parser.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
                         help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)")
+    parser.add_argument("--attention-impl", choices=IMPLS, default="auto",
+                        help="decode attention and KVzip's score reduction (auto: Pallas on CUDA GPUs, else XLA)")
+
+
+def _load(args: argparse.Namespace):
+    """The model of --model in --dtype, running attention with --attention-impl."""
+    from kvzip_jax.weights import registry
+
+    model = registry.load(args.model, dtype=args.dtype)
+    return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention_impl=args.attention_impl))
 
 
 def _add_convert(subparsers) -> None:
@@ -114,7 +125,6 @@ def _head_scores(args: argparse.Namespace) -> int:
     import numpy as np
 
     from kvzip_jax.kvzip import head_level
-    from kvzip_jax.weights import registry
 
     if args.tokens < 1 or args.chunk_size < 1:
         args.subparser.error("--tokens and --chunk-size must be >= 1")
@@ -122,7 +132,7 @@ def _head_scores(args: argparse.Namespace) -> int:
     if target.exists() and not args.overwrite:
         raise InputFileError(f"{target} already exists; pass --overwrite to recompute it")
     text = _read_text(args.text, "sample text") if args.text else head_level.sample_text()
-    model = registry.load(args.model, dtype=args.dtype)
+    model = _load(args)
     tokens, prefix_len = head_level.sample_tokens(model.tokenizer, text, args.tokens)
     start = time.perf_counter()
     scores = head_level.head_scores(model.params, model.cfg, model.tokenizer, text, args.tokens, args.chunk_size)
@@ -151,7 +161,7 @@ def _add_head_scores(subparsers) -> None:
     parser.add_argument("--text", metavar="FILE", help="sample text (default: standard-library module docstrings)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing head scores")
-    _add_dtype(parser)
+    _add_runtime(parser)
     parser.set_defaults(handler=_head_scores, subparser=parser)
 
 
@@ -176,7 +186,6 @@ def _compress(args: argparse.Namespace) -> int:
     from kvzip_jax import prompts
     from kvzip_jax.kvzip.budget import check_ratio
     from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
-    from kvzip_jax.weights import registry
 
     if args.max_new_tokens < 1 or args.chunk_size < 1:
         args.subparser.error("--max-new-tokens and --chunk-size must be >= 1")
@@ -194,7 +203,7 @@ def _compress(args: argparse.Namespace) -> int:
                               f"compute them once with: kvzip-jax head-scores --model {args.model}")
 
     start = time.perf_counter()
-    model = registry.load(args.model, dtype=args.dtype)
+    model = _load(args)
     print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
     context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [],
@@ -303,7 +312,7 @@ def _add_compress(subparsers) -> None:
                         "keeps (on top of the ratio)")
     parser.add_argument("--recent", type=int, default=0, help="--level head: last context tokens every dropped "
                         "head keeps (on top of the ratio)")
-    _add_dtype(parser)
+    _add_runtime(parser)
     parser.set_defaults(handler=_compress, subparser=parser)
 
 
@@ -315,7 +324,6 @@ def _eval(args: argparse.Namespace) -> int:
     from kvzip_jax import prompts
     from kvzip_jax.eval import report, tasks
     from kvzip_jax.eval.sweep import SweepConfig, run_sweep
-    from kvzip_jax.weights import registry
 
     try:
         ratios = tuple(float(r) for r in _csv(args.ratios))
@@ -344,7 +352,7 @@ def _eval(args: argparse.Namespace) -> int:
         examples = [dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep])
                     for ex in examples]
 
-    model = registry.load(args.model, dtype=args.dtype)
+    model = _load(args)
     out = Path(args.out or Path("runs") / model.name)
     print(f"sweep: {len(examples)} contexts, {sum(len(ex.questions) for ex in examples)} questions, methods "
           f"{','.join(config.methods)}, modes {','.join(config.modes)}, ratios {','.join(map(str, ratios))} "
@@ -384,7 +392,7 @@ def _add_eval(subparsers) -> None:
                         'bench/quality.py uses; "none" for none')
     parser.add_argument("--out", metavar="DIR", help="output folder (default runs/MODEL)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _add_dtype(parser)
+    _add_runtime(parser)
     parser.set_defaults(handler=_eval, subparser=parser)
 
 

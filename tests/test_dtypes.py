@@ -48,11 +48,12 @@ def test_a_bfloat16_model_fills_a_bfloat16_cache_and_returns_float32_numbers():
     assert scores.dtype == jnp.float32 and np.isfinite(np.asarray(scores)).all()
 
 
-def test_cli_dtype_flag_is_on_every_model_command(capsys):
+def test_cli_dtype_and_attention_impl_flags_are_on_every_model_command(capsys):
     for command in ("compress", "eval", "head-scores"):
         with pytest.raises(SystemExit):
             cli_main([command, "--help"])
-        assert "--dtype {auto,float32,bfloat16}" in capsys.readouterr().out, command
+        out = capsys.readouterr().out
+        assert "--dtype {auto,float32,bfloat16}" in out and "--attention-impl {auto,xla,pallas}" in out, command
     with pytest.raises(SystemExit):
         cli_main(["convert", "--help"])
     assert "--dtype {source,float32,bfloat16}" in capsys.readouterr().out
