@@ -49,8 +49,9 @@ SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, n
 QWEN_05B = ModelConfig(architecture="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
                        num_kv_heads=2, head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, max_position=32768,
                        rope=RopeSpec(1000000.0), qkv_bias=True)
-# (name, config, batch, context tokens); 124K = 126,976 tokens, the paper's LLaMA3.1-8B setting.
-CASES = [("llama3.1-8b", LLAMA_8B, 1, (32768, 126976)), ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),
+# (name, config, batch, context tokens), most important first; 124K = 126,976 tokens, the paper's LLaMA3.1-8B
+# setting.
+CASES = [("llama3.1-8b", LLAMA_8B, 1, (126976, 32768)), ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),
          ("qwen2.5-0.5b", QWEN_05B, 8, (4096, 32768))]
 SMOKE = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, max_position=4096, rope=RopeSpec(10000.0))
@@ -207,6 +208,33 @@ def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: 
                 cache_bytes=kv.used_bytes(cache))
 
 
+def decode_figures(params, cfg: ModelConfig, caches, steps: int, peak_bw) -> None:
+    """Prints decode attention and step times of the (full, masked, ragged) caches, with the step's bandwidth."""
+    impl, started, attention_s = cfg.attention_impl, time.perf_counter(), {}
+    for form, cache in zip(("full", "masked", "ragged"), caches):
+        attention_s[form] = attention_alone(cfg, cache, impl)
+        step_s = decode_step(params, cfg, cache, steps)
+        bw = step_bytes(params, cache) / step_s
+        share = "" if not peak_bw else f" = {bw / peak_bw:.0%} of peak"
+        print(f"[{impl}] decode {form:>6}: attention {attention_s[form] * 1e3:8.3f} ms, step {step_s * 1e3:8.3f} "
+              f"ms/token, {bw / 1e9:7.1f} GB/s{share}; KV {kv.used_bytes(cache) / 2**20:,.1f} MiB visible, "
+              f"{kv.nbytes(cache) / 2**20:,.1f} MiB allocated", flush=True)
+    print(f"[{impl}] attention speed-up at {RATIO}: ragged {attention_s['full'] / attention_s['ragged']:.2f}x, "
+          f"masked {attention_s['full'] / attention_s['masked']:.2f}x over the full cache "
+          f"({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def prefill_figures(params, cfg: ModelConfig, batch: int, tokens: int, chunk: int, peak_flops) -> None:
+    """Prints prefill time and MFU, scoring time over prefill time and scoring's extra device memory."""
+    p = prefill_and_score(params, cfg, batch, tokens, chunk, peak_flops)
+    mfu = "" if p["mfu"] is None else f", MFU {p['mfu']:.1%}"
+    extra, cache_bytes = p["score_extra_bytes"], p["cache_bytes"]
+    extra = "n/a" if extra is None else f"{extra / 2**20:.1f} MiB = {extra / cache_bytes:.1%} of the cache"
+    print(f"[{cfg.attention_impl}] prefill {p['prefill_s']:.3f} s{mfu}; KVzip scoring {p['score_s']:.3f} s = "
+          f"{p['score_s'] / p['prefill_s']:.2f}x prefill (FLOP ratio {p['score_flop_ratio']:.2f}); scoring's extra "
+          f"device memory {extra}", flush=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (Pallas in interpret mode)")
@@ -214,6 +242,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-tokens", type=int, default=32768, help="longest context prefilled and scored")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=kvzip.scoring.DEFAULT_CHUNK)
+    parser.add_argument("--budget-s", type=float, default=420, help="wall seconds: later rows are skipped past it, "
+                        "prefill and scoring past half of it (decode figures come first)")
     args = parser.parse_args(argv)
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
@@ -224,42 +254,31 @@ def main(argv=None) -> int:
     print(f"device {kind} ({jax.default_backend()}), jax {jax.__version__}; params and caches {jnp.dtype(dtype).name}; "
           f"ratio {RATIO}; peaks: HBM {peak_bw and peak_bw / 1e12} TB/s, bf16 {peak_flops and peak_flops / 1e12} "
           "TFLOP/s")
+    clock = time.perf_counter()
     for name, base, batch, contexts in cases:
         params = random_params(base, dtype)
         for tokens in contexts:
-            print(f"\n== {name}, batch {batch}, {tokens:,} context tokens ==")
+            print(f"\n== {name}, batch {batch}, {tokens:,} context tokens ==", flush=True)
+            if time.perf_counter() - clock > args.budget_s:
+                print(f"skipped: past the {args.budget_s:.0f} s budget")
+                continue
+            full = synthetic_cache(base, batch, tokens, dtype)
+            masked, ragged = compressed(base, full, tokens)
+            for impl in ("xla", "pallas"):
+                decode_figures(params, dataclasses.replace(base, attention_impl=impl), (full, masked, ragged),
+                               args.decode_steps, peak_bw)
+            del full, masked, ragged
             for impl in ("xla", "pallas"):
                 cfg = dataclasses.replace(base, attention_impl=impl)
-                started = time.perf_counter()
-                if tokens <= args.prefill_tokens:
-                    p = prefill_and_score(params, cfg, batch, tokens, chunk, peak_flops)
-                    mfu = "" if p["mfu"] is None else f", MFU {p['mfu']:.1%}"
-                    extra, cache_bytes = p["score_extra_bytes"], p["cache_bytes"]
-                    extra = "n/a" if extra is None else \
-                        f"{extra / 2**20:.1f} MiB = {extra / cache_bytes:.1%} of the cache"
-                    print(f"[{impl}] prefill {p['prefill_s']:.3f} s{mfu}; KVzip scoring {p['score_s']:.3f} s = "
-                          f"{p['score_s'] / p['prefill_s']:.2f}x prefill (FLOP ratio {p['score_flop_ratio']:.2f}); "
-                          f"scoring's extra device memory {extra}")
-                else:
+                if tokens > args.prefill_tokens:
                     print(f"[{impl}] prefill and scoring not run at {tokens:,} tokens (--prefill-tokens "
-                          f"{args.prefill_tokens:,}); decode below uses a synthetic cache")
-                full = synthetic_cache(cfg, batch, tokens, dtype)
-                masked, ragged = compressed(cfg, full, tokens)
-                figures = {}
-                for form, cache in (("full", full), ("masked", masked), ("ragged", ragged)):
-                    attn_s = attention_alone(cfg, cache, impl)
-                    step_s = decode_step(params, cfg, cache, args.decode_steps)
-                    figures[form] = attn_s
-                    bw = step_bytes(params, cache) / step_s
-                    share = "" if not peak_bw else f" = {bw / peak_bw:.0%} of peak"
-                    print(f"[{impl}] decode {form:>6}: attention {attn_s * 1e3:8.3f} ms, step {step_s * 1e3:8.3f} "
-                          f"ms/token, {bw / 1e9:7.1f} GB/s{share}; KV {kv.used_bytes(cache) / 2**20:,.1f} MiB visible, "
-                          f"{kv.nbytes(cache) / 2**20:,.1f} MiB allocated")
-                print(f"[{impl}] attention speed-up at {RATIO}: ragged {figures['full'] / figures['ragged']:.2f}x, "
-                      f"masked {figures['full'] / figures['masked']:.2f}x over the full cache "
-                      f"({time.perf_counter() - started:.0f} s for this row)", flush=True)
-                del full, masked, ragged
+                          f"{args.prefill_tokens:,}); decode above used a synthetic cache")
+                elif time.perf_counter() - clock > args.budget_s / 2:
+                    print(f"[{impl}] prefill and scoring skipped: past half the {args.budget_s:.0f} s budget")
+                else:
+                    prefill_figures(params, cfg, batch, tokens, chunk, peak_flops)
         del params
+    print(f"\nwall time {time.perf_counter() - clock:.0f} s")
     return 0
 
 
