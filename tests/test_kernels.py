@@ -415,3 +415,22 @@ def test_triton_lowering_on_cpu(dtype):
         score = functools.partial(_score_max_pallas, exp=True, block_keys=64, block_rows=64, interpret=False)
         text = lowered(score, spec((2, 3, 300, head_dim)), spec((2, 3, 500, head_dim)), spec((2, 3, 300), jnp.float32))
         assert "xla.gpu.triton" in text
+
+
+def _tf32(x):
+    """x rounded to TF32 (10 mantissa bits), what a Triton float32 dot multiplies unless asked for IEEE."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    return ((bits + 0x1000) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def test_the_float32_tolerance_would_notice_tf32_dots():
+    """On a GPU the same tests compile the kernels (interpret_mode() is False there); a dot left at TF32 would miss
+    the 1e-5 tolerance by far, as this oracle run on TF32-rounded inputs shows."""
+    rng = _rng(7)
+    k, v = _store(rng, 32)
+    q = _query(rng, 3, 32)
+    offsets, lengths = jnp.asarray(OFFSETS), jnp.asarray(LENGTHS)
+    exact, _ = ragged_decode_reference(q, k, v, offsets, lengths, scale=32**-0.5)
+    rounded, _ = ragged_decode_reference(jnp.asarray(_tf32(q)), jnp.asarray(_tf32(k)), jnp.asarray(_tf32(v)), offsets,
+                                         lengths, scale=32**-0.5)
+    assert np.abs(np.asarray(rounded) - np.asarray(exact)).max() > 10 * TOL["atol"]
