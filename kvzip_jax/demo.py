@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     model = registry.load(args.model, dtype=args.dtype)
-    print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s "
+    print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s, "
           f"{model.dtype} (jax {jax.__version__}, {jax.default_backend()})")
     tok = model.tokenizer
     context, suffixes = prompts.split_for_reuse(tok, document, [item["question"] for item in qa])
