@@ -1,0 +1,106 @@
+"""Attention Matching's closed-form fit of one KV head (arXiv 2602.16284, reference/attention_matching.md §1-3).
+
+Given reference queries Q [n, H] (post-RoPE, unscaled), the block's keys and values K, V [T, H] and t selected keys
+S, it returns the compacted block (C_k = K[S], beta [t], C_v [t, H]) whose attention output and attention mass
+match the block's for those queries:
+
+  mass:   sum_j exp(s q.C_k,j + beta_j) ~= sum_j exp(s q.K_j)   (beta = log w, w from box-constrained NNLS)
+  output: softmax(s q C_k^T + beta) C_v ~= softmax(s q K^T) V   (C_v by least squares)
+
+Matching both preserves the block under concatenation with any later keys (the mixture identity, `mixture`). All
+arithmetic is float32; rows are shifted by their max logit r_i, as the reference code does, so the mass fit is a
+least squares weighted by exp(-2 r_i) per query. Queries that see no valid key carry no weight.
+
+Einsum legend: N reference queries, T block keys, S selected keys (t), H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+HIGHEST = jax.lax.Precision.HIGHEST
+RIDGE = 1e-6  # relative ridge of the normal equations (x mean diagonal): keeps a rank-deficient fit finite
+
+
+def logits(q: jax.Array, k: jax.Array, scale: float, key_valid: jax.Array | None = None) -> jax.Array:
+    """[N, T] float32 scaled logits s q.k, MASK_VALUE where key_valid [T] is False."""
+    z = jnp.einsum("NH,TH->NT", q.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
+    return z if key_valid is None else jnp.where(key_valid[None, :], z, MASK_VALUE)
+
+
+def mass_features(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(Phi [N, T], m [N], seen [N]) from logits z [N, T]: Phi = exp(z - r) with r the row max, m its row sums (the
+    row-shifted target mass), seen whether a row has any valid key (rows that do not are zero)."""
+    r = z.max(axis=1)  # [N]
+    seen = r > MASK_VALUE / 2  # [N]
+    phi = jnp.where(seen[:, None] & (z > MASK_VALUE / 2), jnp.exp(z - jnp.where(seen, r, 0.0)[:, None]), 0.0)
+    return phi, phi.sum(axis=1), seen
+
+
+def _solve_normal(a: jax.Array, b: jax.Array) -> jax.Array:
+    """argmin_x |a x - b|^2 (+ a relative ridge) via Cholesky of a^T a: a [N, S], b [N, ...] -> [S, ...]."""
+    gram = jnp.einsum("NS,NU->SU", a, a, precision=HIGHEST)  # [S, S]
+    size = gram.shape[0]
+    ridge = RIDGE * jnp.maximum(jnp.trace(gram) / max(size, 1), 1e-30)
+    chol = jnp.linalg.cholesky(gram + ridge * jnp.eye(size, dtype=gram.dtype))
+    rhs = jnp.einsum("NS,N...->S...", a, b, precision=HIGHEST)
+    return jax.scipy.linalg.cho_solve((chol, True), rhs)
+
+
+def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int) -> jax.Array:
+    """w [S] ~ argmin_{lower <= w <= upper} |m w - y|^2 for m [N, S], y [N]: the (ridged) least-squares solution
+    clipped to the box, then `iters` projected-gradient steps of size 1/|m|_2^2 (the reference code's scheme; with
+    enough steps it converges to the box-NNLS optimum, whose KKT conditions tests/test_matching.py checks)."""
+    w = jnp.clip(_solve_normal(m, y), lower, upper)  # [S]
+    if iters == 0:
+        return w
+    gram = jnp.einsum("NS,NU->SU", m, m, precision=HIGHEST)  # [S, S]
+    lipschitz = jnp.maximum(jnp.linalg.eigvalsh(gram)[-1], 1e-6)  # |m|_2^2
+    target = jnp.einsum("NS,N->S", m, y, precision=HIGHEST)  # [S]
+
+    def step(_, w):
+        return jnp.clip(w - (jnp.einsum("SU,U->S", gram, w, precision=HIGHEST) - target) / lipschitz, lower, upper)
+
+    return jax.lax.fori_loop(0, iters, step, w)
+
+
+def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scale: float,
+             key_valid: jax.Array | None = None, *, lower: float = float(jnp.exp(-3.0)),
+             upper: float = float(jnp.exp(3.0)), iters: int = 2):
+    """The compacted block of one KV head: (C_k [S, H], beta [S], C_v [S, H]), float32.
+
+    q [N, H] reference queries; k, v [T, H]; selected [S] int indices into T (S static; S = 0 gives empty arrays);
+    key_valid [T] bool or None. beta = log w with w from nnls_box over the mass features (box [lower, upper]; the
+    defaults are the paper's HAK setting e^-3..e^3 with 2 gradient steps); C_v is the least-squares fit of the
+    block's outputs from the compacted attention weights.
+    """
+    if selected.shape[0] == 0:  # a head whose budget is 0 keeps nothing
+        return jnp.zeros((0, k.shape[1]), jnp.float32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, v.shape[1]),
+                                                                                            jnp.float32)
+    z = logits(q, k, scale, key_valid)  # [N, T]
+    phi, mass, seen = mass_features(z)
+    w = nnls_box(phi[:, selected], mass, lower, upper, iters)  # [S]
+    beta = jnp.log(w)
+    attention = jnp.where(seen[:, None], jax.nn.softmax(z, axis=1), 0.0)  # [N, T]; unseen rows weigh nothing
+    target = jnp.einsum("NT,TH->NH", attention, v.astype(jnp.float32), precision=HIGHEST)  # [N, H]
+    compact_z = z[:, selected] + beta[None, :]  # [N, S]
+    weights = jnp.where(seen[:, None], jax.nn.softmax(compact_z, axis=1), 0.0)  # [N, S]
+    c_v = _solve_normal(weights, target)  # [S, H]
+    return k[selected].astype(jnp.float32), beta, c_v
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.Array | None = None):
+    """(out [N, H], lse [N]) of softmax attention of q [N, H] over k, v [T, H] with an additive per-key bias [T]."""
+    z = logits(q, k, scale)
+    if bias is not None:
+        z = z + bias[None, :]
+    lse = jax.nn.logsumexp(z, axis=1)  # [N]
+    return jnp.einsum("NT,TH->NH", jnp.exp(z - lse[:, None]), v.astype(jnp.float32), precision=HIGHEST), lse
+
+
+def mixture(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array) -> jax.Array:
+    """Attention over [A | B] from each block's (out [N, H], lse [N]): the mass-weighted mixture (App. A.2)."""
+    lse = jnp.logaddexp(lse_a, lse_b)  # [N]
+    return jnp.exp(lse_a - lse)[:, None] * out_a + jnp.exp(lse_b - lse)[:, None] * out_b

@@ -1,0 +1,130 @@
+"""Attention Matching's closed-form fit of one head: the mixture identity, the NNLS optimality (KKT) conditions,
+exact reproduction at t = T, a slow numpy oracle of the whole fit, jit vs eager, edge budgets and masked keys."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvzip_jax import matching
+from kvzip_jax.matching.fit import logits
+
+H = 16
+SCALE = H ** -0.5
+
+
+def _head(seed, n=96, T=24, spread=2.0):
+    """Reference queries q [n, H], keys and values [T, H], float32 with some spread in the logits."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, H)).astype(np.float32) * spread
+    k = rng.standard_normal((T, H)).astype(np.float32)
+    v = rng.standard_normal((T, H)).astype(np.float32)
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+
+
+def test_mixture_identity():
+    q, k, v = _head(0)
+    whole, _ = matching.attend(q, k, v, SCALE)
+    a, b = matching.attend(q, k[:10], v[:10], SCALE), matching.attend(q, k[10:], v[10:], SCALE)
+    np.testing.assert_allclose(np.asarray(matching.mixture(*a, *b)), np.asarray(whole), atol=1e-5, rtol=1e-5)
+
+
+def test_nnls_box_meets_its_kkt_conditions():
+    rng = np.random.default_rng(1)
+    m = jnp.asarray(rng.random((60, 8)), jnp.float32)
+    y = jnp.asarray(rng.random(60) * 3 - 0.5, jnp.float32)  # some targets pull weights below the box
+    lower, upper = 0.05, 1.5
+    w = np.asarray(matching.nnls_box(m, y, lower, upper, iters=20000), np.float64)
+    m64, y64 = np.asarray(m, np.float64), np.asarray(y, np.float64)
+    grad = m64.T @ (m64 @ w - y64)
+    scale = np.abs(m64.T @ y64).max()
+    at_lower, at_upper = np.isclose(w, lower), np.isclose(w, upper)
+    inside = ~(at_lower | at_upper)
+    assert at_lower.any() or at_upper.any()  # the box is active, so KKT is not just a zero gradient
+    assert (np.abs(grad[inside]) <= 1e-4 * scale).all()
+    assert (grad[at_lower] >= -1e-4 * scale).all() and (grad[at_upper] <= 1e-4 * scale).all()
+
+
+def test_keeping_every_key_reproduces_attention_exactly():
+    q, k, v = _head(2)
+    ck, beta, cv = matching.fit_head(q, k, v, jnp.arange(k.shape[0]), SCALE)
+    np.testing.assert_allclose(np.asarray(beta), 0.0, atol=1e-4)
+    fresh, _, _ = _head(3)  # queries the fit never saw
+    want_out, want_lse = matching.attend(fresh, k, v, SCALE)
+    out, lse = matching.attend(fresh, ck, cv, SCALE, beta)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-3)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-3)
+
+
+def _numpy_fit(q, k, v, selected, scale, lower, upper, iters):
+    """The closed form written out in float64 numpy (lstsq by SVD), the oracle of fit_head."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    z = scale * q @ k.T
+    phi = np.exp(z - z.max(axis=1, keepdims=True))
+    mass = phi.sum(axis=1)
+    m = phi[:, selected]
+    w = np.clip(np.linalg.lstsq(m, mass, rcond=None)[0], lower, upper)
+    gram, target = m.T @ m, m.T @ mass
+    step = 1.0 / np.linalg.eigvalsh(gram)[-1]
+    for _ in range(iters):
+        w = np.clip(w - step * (gram @ w - target), lower, upper)
+    beta = np.log(w)
+    attention = np.exp(z - z.max(axis=1, keepdims=True))
+    attention /= attention.sum(axis=1, keepdims=True)
+    cz = z[:, selected] + beta
+    weights = np.exp(cz - cz.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    cv = np.linalg.lstsq(weights, attention @ v, rcond=None)[0]
+    return k[selected], beta, cv
+
+
+@pytest.mark.parametrize("count", [1, 6, 12])
+def test_fit_head_equals_the_numpy_oracle(count):
+    q, k, v = _head(4)
+    selected = matching.highest_attention_keys(q, k, SCALE, count)
+    lower, upper, iters = float(np.exp(-3)), float(np.exp(3)), 2
+    want = _numpy_fit(q, k, v, np.asarray(selected), SCALE, lower, upper, iters)
+    got = jax.jit(matching.fit_head, static_argnames=("scale", "iters"))(q, k, v, selected, SCALE, iters=iters)
+    for name, g, w in zip(("C_k", "beta", "C_v"), got, want):
+        np.testing.assert_allclose(np.asarray(g), w, atol=2e-3, rtol=2e-3, err_msg=name)
+    eager = matching.fit_head(q, k, v, selected, SCALE, iters=iters)
+    for g, e in zip(got, eager):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
+
+
+def test_highest_attention_keys_are_the_largest_aggregated_weights():
+    q, k, _ = _head(5)
+    weights = np.asarray(jax.nn.softmax(logits(q, k, SCALE), axis=1), np.float64)
+    for aggregate, score in (("rms", np.sqrt((weights ** 2).mean(0))), ("max", weights.max(0)),
+                             ("mean", weights.mean(0))):
+        chosen = np.asarray(matching.highest_attention_keys(q, k, SCALE, 5, aggregate))
+        np.testing.assert_array_equal(chosen, np.sort(np.argsort(-score)[:5]))
+    with pytest.raises(ValueError, match="aggregate"):
+        matching.attention_key_scores(q, k, SCALE, "median")
+
+
+def test_the_fit_beats_plain_eviction_of_the_same_keys_on_new_queries():
+    """The method's point: the same kept keys with fitted beta and values reproduce outputs and masses of queries
+    the fit never saw better than the kept pairs as they are."""
+    q, k, v = _head(6, n=400, T=64)
+    fresh, _, _ = _head(7, n=200, T=64)
+    selected = matching.highest_attention_keys(q, k, SCALE, 16)
+    ck, beta, cv = matching.fit_head(q, k, v, selected, SCALE)
+    want_out, want_lse = matching.attend(fresh, k, v, SCALE)
+    out_am, lse_am = matching.attend(fresh, ck, cv, SCALE, beta)
+    out_ev, lse_ev = matching.attend(fresh, k[selected], v[selected], SCALE)
+    err = lambda a, b: float(jnp.mean((a - b) ** 2))
+    assert err(out_am, want_out) < 0.7 * err(out_ev, want_out)
+    assert err(lse_am, want_lse) < 0.7 * err(lse_ev, want_lse)
+
+
+def test_edge_budgets_and_masked_keys_give_no_nan():
+    q, k, v = _head(8)
+    empty = matching.fit_head(q, k, v, jnp.zeros((0,), jnp.int32), SCALE)
+    assert [x.shape for x in empty] == [(0, H), (0,), (0, H)]
+    valid = jnp.arange(k.shape[0]) < 10
+    selected = matching.highest_attention_keys(q, k, SCALE, 4, key_valid=valid)
+    assert (np.asarray(selected) < 10).all()  # masked keys are never selected
+    for key_valid in (valid, jnp.zeros(k.shape[0], bool)):  # some keys masked; every key masked
+        ck, beta, cv = matching.fit_head(q, k, v, selected, SCALE, key_valid)
+        assert all(np.isfinite(np.asarray(x)).all() for x in (ck, beta, cv))
