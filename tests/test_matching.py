@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvzip_jax import matching
-from kvzip_jax.matching.fit import logits
+from kvzip_jax.matching.fit import logits, mass_features
 
 H = 16
 SCALE = H ** -0.5
@@ -128,3 +128,48 @@ def test_edge_budgets_and_masked_keys_give_no_nan():
     for key_valid in (valid, jnp.zeros(k.shape[0], bool)):  # some keys masked; every key masked
         ck, beta, cv = matching.fit_head(q, k, v, selected, SCALE, key_valid)
         assert all(np.isfinite(np.asarray(x)).all() for x in (ck, beta, cv))
+
+
+def _numpy_omp(q, k, scale, count):
+    """Exact OMP in float64 numpy: greedy signed correlation with the residual mass, clamped least-squares refits."""
+    z = scale * np.asarray(q, np.float64) @ np.asarray(k, np.float64).T
+    phi = np.exp(z - z.max(axis=1, keepdims=True))
+    mass, current, chosen = phi.sum(axis=1), np.zeros(len(z)), []
+    for _ in range(count):
+        correlation = phi.T @ (mass - current)
+        correlation[chosen] = -np.inf
+        chosen.append(int(np.argmax(correlation)))
+        w = np.clip(np.linalg.lstsq(phi[:, chosen], mass, rcond=None)[0], 1e-12, np.exp(7))
+        current = phi[:, chosen] @ w
+    return np.sort(chosen)
+
+
+@pytest.mark.parametrize("count", [1, 5, 10])
+def test_omp_selects_as_the_numpy_oracle(count):
+    q, k, _ = _head(9)
+    got = jax.jit(matching.orthogonal_matching_pursuit, static_argnames=("scale", "count"))(q, k, SCALE, count)
+    np.testing.assert_array_equal(np.asarray(got), _numpy_omp(q, k, SCALE, count))
+
+
+def test_omp_matches_the_mass_better_than_hak():
+    """OMP picks keys for the mass objective itself: with the same weight fit, its residual on the reference
+    queries' (row-shifted) masses is lower than Highest-Attention-Keys' (ratios 0.40-0.82 over seeds 10-17)."""
+    for seed in (10, 11, 12):
+        q, k, _ = _head(seed, n=300, T=64)
+        phi, mass, _ = mass_features(logits(q, k, SCALE))
+        residuals = []
+        for selected in (matching.orthogonal_matching_pursuit(q, k, SCALE, 12),
+                         matching.highest_attention_keys(q, k, SCALE, 12)):
+            w = matching.nnls_box(phi[:, selected], mass, 1e-12, float(np.exp(7)), 0)
+            residuals.append(float(jnp.sum((phi[:, selected] @ w - mass) ** 2)))
+        assert residuals[0] < 0.9 * residuals[1], (seed, residuals)
+
+
+def test_omp_edge_budgets_and_masked_keys():
+    q, k, _ = _head(13)
+    np.testing.assert_array_equal(np.asarray(matching.orthogonal_matching_pursuit(q, k, SCALE, k.shape[0])),
+                                  np.arange(k.shape[0]))
+    assert matching.orthogonal_matching_pursuit(q, k, SCALE, 0).shape == (0,)
+    valid = jnp.arange(k.shape[0]) % 3 == 0
+    chosen = np.asarray(matching.orthogonal_matching_pursuit(q, k, SCALE, 5, key_valid=valid))
+    assert (chosen % 3 == 0).all() and len(set(chosen)) == 5
