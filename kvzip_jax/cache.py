@@ -35,6 +35,7 @@ class LayerCache:
     v: jax.Array  # [B, K, C, H]
     lengths: jax.Array  # [B, K] int32, filled slots per KV head
     keep: jax.Array | None = None  # [B, K, C] bool in a masked compressed cache: False slots are evicted
+    bias: jax.Array | None = None  # [B, K, C] float32 logit added per slot (Attention Matching's beta; 0 elsewhere)
 
     @property
     def capacity(self) -> int:
@@ -57,6 +58,7 @@ class RaggedLayerCache:
     v: jax.Array  # [B, S, H]
     lengths: jax.Array  # [B, K] int32, filled slots per KV head
     offsets: jax.Array  # [B, K] int32, first store slot of each head's segment
+    bias: jax.Array | None = None  # [B, S] float32 logit added per store slot (Attention Matching's beta)
     block: int = dataclasses.field(default=RAGGED_BLOCK, metadata=dict(static=True))
 
     def head_capacity(self) -> jax.Array:
@@ -139,6 +141,7 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
         v=write_all(layer.v, v_new, layer.lengths, num_new),
         lengths=jnp.minimum(layer.lengths + num_new[:, None].astype(jnp.int32), C),
         keep=layer.keep,  # slots past the context are kept (True) in a masked cache
+        bias=layer.bias,  # 0 past the compacted context: new tokens get no bias
     )
 
 
@@ -160,8 +163,10 @@ def nbytes(cache: KVCache) -> int:
 
 
 def used_bytes(cache: KVCache) -> int:
-    """Bytes of the K/V pairs held and visible (filled and, in a masked cache, kept): pairs x head dim x 2."""
-    per_slot = [2 * layer.k.shape[-1] * layer.k.dtype.itemsize for layer in cache.layers]
+    """Bytes of the K/V pairs held and visible (filled and, in a masked cache, kept): pairs x (2 x head dim values,
+    plus a float32 bias where the cache carries one)."""
+    per_slot = [2 * layer.k.shape[-1] * layer.k.dtype.itemsize + (0 if layer.bias is None else 4)
+                for layer in cache.layers]
     return int(sum(int(n) * size for n, size in zip(np.asarray(kept_per_head(cache)).sum(axis=(1, 2)), per_slot)))
 
 
@@ -248,8 +253,10 @@ def _pack_layer(layer, offsets: jax.Array, size: int, block: int) -> RaggedLayer
     slots = jnp.where(visible, offsets[..., None] + rank, size)  # evicted and empty slots aim past the end
     batch = jnp.arange(B)[:, None, None]
     store = lambda x: jnp.zeros((B, size, x.shape[-1]), x.dtype).at[batch, slots].set(x, mode="drop")
+    bias = None if layer.bias is None else jnp.zeros((B, size), jnp.float32).at[batch, slots].set(
+        layer.bias, mode="drop")  # [B, S]
     return RaggedLayerCache(k=store(layer.k), v=store(layer.v), lengths=visible.sum(-1, dtype=jnp.int32),
-                            offsets=offsets, block=block)
+                            offsets=offsets, bias=bias, block=block)
 
 
 def kept_per_head(cache: KVCache) -> jax.Array:

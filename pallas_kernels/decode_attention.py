@@ -18,7 +18,7 @@ from .dispatch import MASK_VALUE, KernelInputError
 from .ragged_decode import ragged_decode
 
 
-def _check_inputs(q, k, v, lengths, keep, num_tokens) -> None:
+def _check_inputs(q, k, v, lengths, keep, num_tokens, bias=None) -> None:
     """Raise KernelInputError on inconsistent shapes (see decode_attention)."""
     if q.ndim != 4 or k.ndim != 4:
         raise KernelInputError(f"q must be [B, K, M, H] and k [B, K, C, H], got {q.shape} and {k.shape}")
@@ -31,6 +31,8 @@ def _check_inputs(q, k, v, lengths, keep, num_tokens) -> None:
         raise KernelInputError(f"lengths {lengths.shape} must be [B, K] = {(batch, kv_heads)}")
     if keep is not None and keep.shape != k.shape[:3]:
         raise KernelInputError(f"keep {keep.shape} must be [B, K, C] = {k.shape[:3]}")
+    if bias is not None and bias.shape != k.shape[:3]:
+        raise KernelInputError(f"bias {bias.shape} must be [B, K, C] = {k.shape[:3]}")
     if num_tokens < 1 or rows % num_tokens:
         raise KernelInputError(f"num_tokens {num_tokens} must be >= 1 and divide the query rows M = {rows}")
 
@@ -41,6 +43,7 @@ def decode_attention(
     v: jax.Array,
     lengths: jax.Array,
     keep: jax.Array | None = None,
+    bias: jax.Array | None = None,
     *,
     scale: float,
     num_tokens: int = 1,
@@ -55,24 +58,28 @@ def decode_attention(
       k, v: [B, K, C, H] dense cache (bfloat16 or float32); slots >= lengths may hold anything (NaN).
       lengths: [B, K] integer filled slots per head, clipped to [0, C]; the T new tokens are the last ones written.
       keep: [B, K, C] bool or None; False slots are invisible (a masked compressed cache).
+      bias: [B, K, C] float32 additive logit per slot or None (Attention Matching's beta); -inf hides a slot.
       scale, num_tokens, impl, block_k, num_splits: as ragged_decode's.
 
     Returns:
       out [B, K, M, H] float32 (0 where no key is visible) and lse [B, K, M] float32 (MASK_VALUE there).
     """
-    _check_inputs(q, k, v, lengths, keep, num_tokens)
+    _check_inputs(q, k, v, lengths, keep, num_tokens, bias)
     batch, kv_heads, capacity, head_dim = k.shape
     offsets = jnp.broadcast_to(jnp.arange(kv_heads, dtype=jnp.int32) * capacity, (batch, kv_heads))  # [B, K]
-    bias = None
+    slot_bias = None if bias is None else bias.astype(jnp.float32)  # [B, K, C]
     if keep is not None:
-        bias = jnp.where(keep, 0.0, -jnp.inf).astype(jnp.float32).reshape(batch, kv_heads * capacity)  # [B, K C]
+        hidden = jnp.where(keep, 0.0, -jnp.inf).astype(jnp.float32)  # [B, K, C]
+        slot_bias = hidden if slot_bias is None else jnp.where(keep, slot_bias, -jnp.inf)
+    if slot_bias is not None:
+        slot_bias = slot_bias.reshape(batch, kv_heads * capacity)  # [B, K C]
     return ragged_decode(
         q,
         k.reshape(batch, kv_heads * capacity, head_dim),
         v.reshape(batch, kv_heads * capacity, head_dim),
         offsets,
         jnp.clip(lengths, 0, capacity).astype(jnp.int32),
-        bias,
+        slot_bias,
         scale=scale,
         num_tokens=num_tokens,
         impl=impl,
@@ -87,12 +94,13 @@ def decode_attention_reference(
     v: jax.Array,
     lengths: jax.Array,
     keep: jax.Array | None = None,
+    bias: jax.Array | None = None,
     *,
     scale: float,
     num_tokens: int = 1,
 ) -> tuple[jax.Array, jax.Array]:
     """The dense jnp oracle of decode_attention (same arguments and results), float32 with HIGHEST precision."""
-    _check_inputs(q, k, v, lengths, keep, num_tokens)
+    _check_inputs(q, k, v, lengths, keep, num_tokens, bias)
     rows, capacity = q.shape[2], k.shape[2]
     lengths = jnp.clip(lengths, 0, capacity)
     slot = jnp.arange(capacity)  # [C]
@@ -106,6 +114,8 @@ def decode_attention_reference(
     logits = scale * jnp.einsum(
         "BKMH,BKCH->BKMC", q.astype(jnp.float32), k32, precision=jax.lax.Precision.HIGHEST
     )  # [B, K, M, C]
+    if bias is not None:
+        logits = logits + jnp.where(filled, bias.astype(jnp.float32), 0.0)[:, :, None, :]
     logits = jnp.where(visible, logits, -jnp.inf)
     m = logits.max(axis=-1)  # [B, K, M]
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # [B, K, M]

@@ -144,13 +144,15 @@ def _empty_state(B: int, K: int, M: int, H: int):
             jnp.zeros((B, K, M, H), jnp.float32), jnp.zeros((B, K, M), jnp.float32))
 
 
-def _visit(state, qm, kb, vb, visible, in_subset=None):
+def _visit(state, qm, kb, vb, visible, in_subset=None, bias=None):
     """One online-softmax step over key block kb, vb [B, K, S, H] with visible [B, K, T, S]; in_subset [B, K, S]
-    marks the keys of the subset normaliser (None: all)."""
+    marks the keys of the subset normaliser (None: all); bias [B, K, S] is added to the logits (None: none)."""
     m, l, acc, l_subset = state
     B, K, M, _ = qm.shape
     T, S = visible.shape[2], kb.shape[2]
     s = jnp.einsum("BKMH,BKSH->BKMS", qm, kb, preferred_element_type=jnp.float32)
+    if bias is not None:
+        s = s + bias[:, :, None, :]
     s = jnp.where(visible[:, :, None], s.reshape(B, K, M // T, T, S), MASK_VALUE).reshape(B, K, M, S)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[..., None])  # [B, K, M, S]
@@ -220,8 +222,11 @@ def _finish(state, q):
     over all keys and over the subset."""
     m, l, acc, l_subset = state
     B, T, K, G, H = q.shape
-    out = _unrows(acc / jnp.where(l == 0, 1.0, l)[..., None], q)  # a row that saw nothing stays zero
-    lse = lambda total: (m + jnp.log(total)).reshape(B, K, G, T)
+    # A row that saw no key keeps m = MASK_VALUE, and its masked logits summed exp(0) = 1 each: it gives out 0 and
+    # lse MASK_VALUE (rows that saw a key washed those terms out with exp(MASK_VALUE - m) = 0).
+    saw = m > MASK_VALUE / 2  # [B, K, M]
+    out = _unrows(jnp.where(saw[..., None], acc / jnp.where(saw, l, 1.0)[..., None], 0.0), q)
+    lse = lambda total: jnp.where(saw, m + jnp.log(jnp.where(saw, total, 1.0)), MASK_VALUE).reshape(B, K, G, T)
     return out, lse(l), lse(l_subset)
 
 
@@ -233,7 +238,7 @@ def key_block(rows: int, largest: int = 256, smallest: int = 64) -> int:
 
 
 def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                      key_keep=None, block: int | None = None, subset=None):
+                      key_keep=None, block: int | None = None, subset=None, key_bias=None):
     """dense_attention's output without materialising scores over the cache.
 
     q [B, T, K, G, H]; k, v [B, K, C, H] the cache; filled [B, K] its slots in use; k_new, v_new [B, K, T, H] this
@@ -244,7 +249,8 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
     subset_lse [B, K, G, T]):
     the log of each query row's softmax normaliser, over all visible keys and over the visible keys of a subset
     (observers reuse them; a subset is free: it reuses the same logits). subset: a function of cache slots
-    [B, K, S] -> bool [B, K, S] (the new keys always belong to it); None: all keys.
+    [B, K, S] -> bool [B, K, S] (the new keys always belong to it); None: all keys. key_bias [B, K, C]: a logit
+    added per cache slot (a compacted cache's beta), or None.
     """
     B, T, K, G, H = q.shape
     C = k.shape[2]
@@ -263,7 +269,8 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
         if key_keep is not None:
             visible &= jax.lax.dynamic_slice_in_dim(key_keep, j * block_c, block_c, axis=2)
         in_subset = None if subset is None else subset(slots)
-        return _visit(state, qm, kb, vb, attention_mask(query_slots, slots, visible, window), in_subset)
+        bias = None if key_bias is None else jax.lax.dynamic_slice_in_dim(key_bias, j * block_c, block_c, axis=2)
+        return _visit(state, qm, kb, vb, attention_mask(query_slots, slots, visible, window), in_subset, bias)
 
     last = -(-jnp.max(filled) // block_c)
     state = jax.lax.fori_loop(first, last, visit_cache, _empty_state(B, K, G * T, H))
@@ -273,10 +280,10 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
 
 
 def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                     block: int) -> jax.Array:
+                     block: int, key_bias=None) -> jax.Array:
     """blocked_attention's result over a ragged layer: k, v [B, S, H] hold per-head segments that start at
     offsets [B, K] (multiples of `block`); head k's slot i lives at offsets[:, k] + i; filled [B, K]; k_new, v_new
-    as in blocked_attention (None: already written).
+    as in blocked_attention (None: already written); key_bias [B, S]: a logit added per store slot, or None.
 
     Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
     most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
@@ -298,6 +305,8 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     kb = k.reshape(B, num_blocks, block, H)
     vb = v.reshape(B, num_blocks, block, H)
     s = jnp.einsum("BNMH,BNSH->BNMS", q_of_block, kb, preferred_element_type=jnp.float32)
+    if key_bias is not None:
+        s = s + key_bias.reshape(B, num_blocks, 1, block)
     s = jnp.where(visible[:, :, None], s.reshape(B, num_blocks, G, T, block), MASK_VALUE).reshape(B, num_blocks, M,
                                                                                                    block)
     m_block = s.max(axis=-1)  # [B, N, M]

@@ -87,10 +87,11 @@ class Block(nn.Module):
             return _decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
         if isinstance(layer_cache, kv.RaggedLayerCache):
             out, _, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, None,
-                                                   None, query_slots, window, scale, layer_cache.block)
+                                                   None, query_slots, window, scale, layer_cache.block,
+                                                   layer_cache.bias)
         else:
             out, _, _ = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, None, None, query_slots,
-                                                    window, scale, layer_cache.keep)
+                                                    window, scale, layer_cache.keep, key_bias=layer_cache.bias)
         return out
 
     def _observe(self, q, h, layer_cache, k_new, v_new, query_slots, window, o_proj):
@@ -99,6 +100,8 @@ class Block(nn.Module):
         filled = layer_cache.lengths
         if isinstance(layer_cache, kv.RaggedLayerCache):
             raise ValueError("observers read dense caches; a ragged cache cannot be observed")
+        if layer_cache.bias is not None:
+            raise ValueError("observers read plain caches; a compacted cache (with a bias) cannot be observed")
         subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
         out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
                                                            query_slots, window, cfg.query_scale, layer_cache.keep,
@@ -126,10 +129,10 @@ def _decode_kernel(q, layer_cache, scale: float, impl: str):
     rows = q.reshape(B, K, G, H).astype(layer_cache.k.dtype)  # [B, K, M = G, H], multiplied in the cache's dtype
     if isinstance(layer_cache, kv.RaggedLayerCache):
         out, _ = ragged_decode(rows, layer_cache.k, layer_cache.v, layer_cache.offsets, layer_cache.lengths,
-                               scale=scale, impl=impl)
+                               layer_cache.bias, scale=scale, impl=impl)
     else:
         out, _ = decode_attention(rows, layer_cache.k, layer_cache.v, layer_cache.lengths, layer_cache.keep,
-                                  scale=scale, impl=impl)
+                                  layer_cache.bias, scale=scale, impl=impl)
     return out.reshape(B, T, K, G, H)  # float32
 
 
