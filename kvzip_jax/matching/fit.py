@@ -19,7 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from kvzip_jax.models.attention import MASK_VALUE
+
 HIGHEST = jax.lax.Precision.HIGHEST
 RIDGE = 1e-6  # relative ridge of the normal equations (x mean diagonal): keeps a rank-deficient fit finite
 
