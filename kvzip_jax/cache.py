@@ -227,8 +227,7 @@ def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
 
     Runs on the host: the kept counts set the shapes. Each layer's store size is a bucket (store_bucket, at least
     `multiple` slots), so the device bytes are about ratio x the filled full cache plus the room (1/8 more at most,
-    past 128 slots),
-    and nearby contexts and ratios share compiled steps.
+    past 128 slots), and nearby contexts and ratios share compiled steps.
     """
     if room < 0:
         raise ValueError(f"room must be >= 0, got {room}")

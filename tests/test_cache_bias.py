@@ -81,6 +81,7 @@ def test_a_minus_infinite_bias_evicts_and_bytes_count_the_bias():
     rng = np.random.default_rng(4)
     hide = rng.random((CFG.num_layers, 1, CFG.num_kv_heads, masked.layers[0].capacity)) < 0.3
     hide[..., :PREFIX] = False
+    hide[..., PREFIX + CONTEXT:] = False  # only context pairs: new tokens get no bias
     biased = _with_bias(masked, hide=hide)
     zero_bias = dataclasses.replace(biased, layers=tuple(
         dataclasses.replace(layer, bias=jnp.where(jnp.isinf(layer.bias), -jnp.inf, 0.0).astype(jnp.float32))
@@ -91,6 +92,24 @@ def test_a_minus_infinite_bias_evicts_and_bytes_count_the_bias():
     a = gen.forward(PARAMS, jnp.asarray([[9]]), position, zero_bias, CFG)[0]
     b = gen.forward(PARAMS, jnp.asarray([[9]]), position, evicted, CFG)[0]
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    packed = kv.pack(zero_bias, room=16)  # the ragged form: whole blocks of -inf keys give no NaN either
+    c = gen.forward(PARAMS, jnp.asarray([[9]]), position, packed, CFG)[0]
+    np.testing.assert_allclose(np.asarray(c), np.asarray(b), atol=1e-5)
     pairs = int(kv.kept_per_head(masked).sum())
     assert kv.used_bytes(biased) - kv.used_bytes(masked) == 4 * pairs
     assert kv.nbytes(biased) - kv.nbytes(masked) == 4 * sum(layer.bias.size for layer in biased.layers)
+
+
+def test_whole_ragged_blocks_of_minus_infinite_bias_give_no_nan():
+    """A head whose every context key has bias -inf: its ragged blocks hold only such keys and stay finite."""
+    dense = _caches(CFG, PARAMS)[0]
+    hide = np.zeros((CFG.num_layers, 1, CFG.num_kv_heads, dense.layers[0].capacity), bool)
+    hide[0, :, 0, PREFIX:PREFIX + CONTEXT] = True
+    biased = dataclasses.replace(dense, layers=tuple(
+        dataclasses.replace(layer, bias=jnp.where(jnp.asarray(h), -jnp.inf, 0.0).astype(jnp.float32))
+        for layer, h in zip(dense.layers, hide)))
+    position = dense.next_position[:, None]
+    want = gen.forward(PARAMS, jnp.asarray([[9]]), position, biased, CFG)[0]
+    got = gen.forward(PARAMS, jnp.asarray([[9]]), position, kv.pack(biased, room=16), CFG)[0]
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)

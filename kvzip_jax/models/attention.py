@@ -305,8 +305,8 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     kb = k.reshape(B, num_blocks, block, H)
     vb = v.reshape(B, num_blocks, block, H)
     s = jnp.einsum("BNMH,BNSH->BNMS", q_of_block, kb, preferred_element_type=jnp.float32)
-    if key_bias is not None:
-        s = s + key_bias.reshape(B, num_blocks, 1, block)
+    if key_bias is not None:  # a -inf bias makes a key as masked as MASK_VALUE does (a block's max stays finite)
+        s = jnp.maximum(s + key_bias.reshape(B, num_blocks, 1, block), MASK_VALUE)
     s = jnp.where(visible[:, :, None], s.reshape(B, num_blocks, G, T, block), MASK_VALUE).reshape(B, num_blocks, M,
                                                                                                    block)
     m_block = s.max(axis=-1)  # [B, N, M]
