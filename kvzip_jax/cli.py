@@ -366,13 +366,13 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _add_eval(subparsers) -> None:
-    from kvzip_jax.baselines import METHODS
+    from kvzip_jax.eval.sweep import METHODS
     from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
 
     parser = subparsers.add_parser("eval", help="sweep methods x ratios x tasks; resumable; table and plot")
     parser.add_argument("--model", required=True, help="bundled model name or a model path")
     parser.add_argument("--methods", default="kvzip,snapkv,pyramidkv,h2o,streamingllm,random",
-                        help=f"comma-separated, from {','.join(METHODS)}")
+                        help=f"comma-separated, from {','.join(METHODS)} (am-*, kvzip-am: Attention Matching)")
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
     parser.add_argument("--tasks", help="comma-separated generated tasks (default: all, unless --jsonl is given)")
     parser.add_argument("--jsonl", action="append", metavar="FILE",

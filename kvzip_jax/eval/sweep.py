@@ -8,6 +8,8 @@ Per batch of contexts (same task, similar lengths, right-padded):
      greedy answer, which follows the draft while the forced argmax agrees and is decoded from there on. So
      agreement compares like with like: a compressed cache that keeps every pair answers exactly as the full one;
   4. per method and mode, one scoring pass; per ratio, a masked cache (no copy of the scores or prefill).
+     Attention Matching methods (matching.METHODS: am-hak, am-omp, kvzip-am) share one reference pass (KVzip's
+     reread, which captures their queries and gives KVzip's scores at once); per ratio, a compacted cache.
 Modes: "reuse" compresses once without any question and answers every question (query-agnostic, the KVzip
 protocol); "first" compresses with the first question in view and reuses that cache for the rest; "oracle"
 recompresses per question. Query-independent methods (kvzip, streamingllm, random) run in "reuse" only.
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvzip_jax import baselines, dtypes, kvzip, prompts
+from kvzip_jax import baselines, dtypes, kvzip, matching, prompts
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.eval import answering, host_memory, metrics, sharding
@@ -43,6 +45,7 @@ from kvzip_jax.weights.identity import model_identity
 
 MODES = ("reuse", "first", "oracle")
 FULL = "full"
+METHODS = baselines.METHODS + tuple(matching.METHODS)
 CAPACITY_MULTIPLE = 64
 
 
@@ -57,9 +60,9 @@ class SweepConfig:
     instruction: str | None = prompts.KVZIP_INSTRUCTION  # opens the user message before the context (prefix)
 
     def __post_init__(self):
-        unknown = sorted(set(self.methods) - set(baselines.METHODS))
+        unknown = sorted(set(self.methods) - set(METHODS))
         if unknown or not self.methods:
-            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(baselines.METHODS)}")
+            raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
         if set(self.modes) - set(MODES) or not self.modes:
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         for ratio in self.ratios:
@@ -146,9 +149,41 @@ def _masked(method, scores, cache, prefix_len, context_len, ratio, evictable):
 
 
 _kvzip_scores = jax.jit(kvzip.score)
+_reference_queries = jax.jit(matching.reference_queries, static_argnames=("sources", "cap", "with_scores"))
+_compacted = jax.jit(matching.compact_with)
 _baseline_scores = jax.jit(baselines.baseline_scores, static_argnames=("method",))
 _log_probs = jax.jit(metrics.log_probs)
 _divergence = jax.jit(metrics.divergence_from)
+
+
+class _Shared:
+    """What several methods of one batch share, computed once on first use: KVzip's reread inputs, and its reread
+    pass, which gives KVzip's scores and, when an Attention Matching method runs, captures its reference queries."""
+
+    def __init__(self, sweep: "Sweep", cache: kv.KVCache, context_rows, prefix_len):
+        self._sweep, self._cache, self._context_rows, self._prefix_len = sweep, cache, context_rows, prefix_len
+        self._reread = self._queries = self._scores = None
+        self._wants_queries = any(m in matching.METHODS for m in sweep.config.methods)
+
+    def reread(self) -> kvzip.RereadInputs:
+        if self._reread is None:
+            self._reread = kvzip.reread_inputs(self._sweep.model.tokenizer, self._prefix_len, self._context_rows,
+                                               self._sweep.config.chunk_size)
+        return self._reread
+
+    def queries(self) -> matching.ReferenceQueries:
+        if self._queries is None:
+            config = matching.MatchingConfig()
+            self._queries = _reference_queries(self._sweep.params, self._sweep.model.cfg, self._cache, self.reread(),
+                                               config.sources, config.query_cap, with_scores=True)
+        return self._queries
+
+    def kvzip_scores(self) -> jax.Array:
+        if self._wants_queries:  # the same reread pass gives both
+            return self.queries().kvzip_scores
+        if self._scores is None:
+            self._scores = _kvzip_scores(self._sweep.params, self._sweep.model.cfg, self._cache, self.reread())
+        return self._scores
 
 
 class Sweep:
@@ -200,21 +235,29 @@ class Sweep:
         for b, row in enumerate(context_rows):
             context_tokens[b, :len(row)] = row
         lengths = (jnp.asarray(prefix_len), jnp.asarray(context_len))
+        shared = _Shared(self, cache, context_rows, prefix_len)
         for method in self.config.methods:
             for mode in self.config.modes_of(method):
                 if not any(self.pending(batch, method, mode, float(r)) for r in self.config.ratios):
                     continue
                 question_sets = [None] if mode == "reuse" else [0] if mode == "first" else range(batch.num_questions)
                 for observed in question_sets:
-                    scores = self._scores(method, cache, batch, lengths, context_rows, context_tokens, observed)
+                    scores = None
+                    if method not in matching.METHODS:
+                        scores = self._scores(method, cache, batch, lengths, shared, context_tokens, observed)
                     asked = range(batch.num_questions) if mode != "oracle" else [observed]
                     for ratio in self.config.ratios:
                         key = (method, mode, float(ratio))
                         if not self.pending(batch, *key):
                             continue
                         start = time.perf_counter()
-                        masked, keeps_all = _masked(method, scores, cache, *lengths, jnp.float32(ratio),
-                                                    self.evictable)
+                        if method in matching.METHODS:
+                            config = matching.method_config(method, float(ratio))
+                            masked, _ = _compacted(shared.queries(), self.model.cfg, cache, shared.reread(), config)
+                            keeps_all = ratio >= 1.0  # compact_with returns the cache itself at ratio 1
+                        else:
+                            masked, keeps_all = _masked(method, scores, cache, *lengths, jnp.float32(ratio),
+                                                        self.evictable)
                         if bool(keeps_all):  # the mask keeps every pair: the same computation gives the same
                             got = {i: full[i] for i in asked}  # answers (tests/test_eval_sweep.py checks it)
                         else:
@@ -223,12 +266,10 @@ class Sweep:
                         self._record(batch, key, got, full, time.perf_counter() - start)
                         host_memory.release_freed(collect=False)  # the cache copy it answered from
 
-    def _scores(self, method, cache, batch, lengths, context_rows, context_tokens, observed):
+    def _scores(self, method, cache, batch, lengths, shared, context_tokens, observed):
         """[L, B, K, n] scores of one method; observed: the question index in view (None: no question)."""
         if method == "kvzip":
-            reread = kvzip.reread_inputs(self.model.tokenizer, np.asarray(lengths[0]), context_rows,
-                                         self.config.chunk_size)
-            return _kvzip_scores(self.params, self.model.cfg, cache, reread)
+            return shared.kvzip_scores()
         question = None
         if observed is not None:
             block, q_len = answering.pad_rows(batch.question_rows(observed))

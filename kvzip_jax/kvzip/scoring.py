@@ -67,8 +67,8 @@ class RereadObserver:
         if self.scored_layers is not None and view.layer not in self.scored_layers:
             return jnp.zeros((B, K, m), jnp.float32)
         qm = (view.q.astype(jnp.float32) * view.scale).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-        chunk_k = _columns(view.k, self.chunk_start, m, axis=2).astype(jnp.float32)  # [B, K, m, H]
-        chunk_v = _columns(view.v, self.chunk_start, m, axis=2).astype(jnp.float32)
+        chunk_k = slot_columns(view.k, self.chunk_start, m, axis=2).astype(jnp.float32)  # [B, K, m, H]
+        chunk_v = slot_columns(view.v, self.chunk_start, m, axis=2).astype(jnp.float32)
         real_row = (jnp.arange(T) < self.num_valid[:, None])[:, None, None, :]  # [B, 1, 1, T]
         query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :]  # [B, 1, 1, T]
         query_norm = jnp.where(real_row, query_norm, 1.0)  # padding rows are masked below; never divide by 0
@@ -115,7 +115,7 @@ class RereadObserver:
         return lambda slots: (slots < self.prefix_len[:, None, None]) | ((slots >= start) & (slots < end))
 
 
-def _columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
+def slot_columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
     """x [B, ...] restricted along `axis` to [start, start + size) per row (start [B]); indices past the end are
     clipped (those columns lie past the chunk and are never used)."""
     index = jnp.clip(start[:, None] + jnp.arange(size), 0, x.shape[axis] - 1)  # [B, size]
@@ -222,18 +222,30 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     check_context_cache(cache, reread.prefix_len, reread.context_len)
-    num_chunks, B, W = reread.tokens.shape
-    reread_start = cache.next_position  # [B]; the cache holds [prefix | context] only
     per_chunk = []
-    for t in range(num_chunks):
-        observer = RereadObserver(
-            prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
-            num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
-            scored_layers=evictable_layers(cfg), whole_cache=num_chunks == 1, impl=cfg.attention_impl)
-        positions = reread_start[:, None] + jnp.arange(W, dtype=jnp.int32)  # [B, W]
-        _, _, aux = forward(params, reread.tokens[t], positions, cache, cfg, observer,
-                            num_new=reread.num_valid[t], logits=None)
+    for t in range(reread.tokens.shape[0]):
+        observer = chunk_observer(cfg, reread, t, variant, kvzip_plus)
+        _, _, aux = forward(params, reread.tokens[t], after_cache(cache, reread.tokens.shape[2]), cache, cfg,
+                            observer, num_new=reread.num_valid[t], logits=None)
         per_chunk.append(jnp.stack(aux["observed"]))  # [L, B, K, m]
-    scores = jnp.concatenate(per_chunk, axis=-1)  # [L, B, K, C m]
-    in_context = jnp.arange(scores.shape[-1]) < reread.context_len[:, None]  # [B, C m]
+    return in_context_scores(jnp.concatenate(per_chunk, axis=-1), reread.context_len)  # [L, B, K, C m]
+
+
+def chunk_observer(cfg: ModelConfig, reread: RereadInputs, t: int, variant: str = "softmax",
+                   kvzip_plus: bool = False) -> RereadObserver:
+    """The observer that scores chunk t's context pairs during its reread (score runs it over every chunk)."""
+    return RereadObserver(
+        prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
+        num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
+        scored_layers=evictable_layers(cfg), whole_cache=reread.tokens.shape[0] == 1, impl=cfg.attention_impl)
+
+
+def after_cache(cache: kv.KVCache, width: int) -> jax.Array:
+    """[B, width] positions of `width` tokens appended after the cache (the reread continues the context)."""
+    return cache.next_position[:, None] + jnp.arange(width, dtype=jnp.int32)
+
+
+def in_context_scores(scores: jax.Array, context_len: jax.Array) -> jax.Array:
+    """scores [L, B, K, n] with columns past each row's context_len [B] set to -inf."""
+    in_context = jnp.arange(scores.shape[-1]) < context_len[:, None]  # [B, n]
     return jnp.where(in_context[None, :, None, :], scores, -jnp.inf)

@@ -1,11 +1,25 @@
-"""Attention Matching (arXiv 2602.16284): a shorter synthetic cache fitted in closed form.
+"""Attention Matching (arXiv 2602.16284): a shorter synthetic cache fitted in closed form, on the same cache pytree.
 
-So far: the closed-form fit of one KV head (`fit_head`: NNLS biases on attention mass, least-squares values) and two
-key selectors, Highest-Attention-Keys and exact Orthogonal Matching Pursuit. Reference queries from the cache,
-budgets and the compacted cache pytree come next.
+    compact = jax.jit(matching.compact)
+    compacted, counts = compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=0.1, selector="hak"))
+
+Modules: queries (reference queries: repeat, context, self-study), select (Highest-Attention-Keys, Orthogonal
+Matching Pursuit), fit (NNLS biases, least-squares values, one KV head), budgets (uniform or global per-head
+counts), compact (the whole cache).
 """
 
+from kvzip_jax.matching.budgets import BUDGETS, head_counts
+from kvzip_jax.matching.compact import (
+    METHODS,
+    SELECTORS,
+    MatchingConfig,
+    compact,
+    compact_with,
+    effective_ratio,
+    method_config,
+)
 from kvzip_jax.matching.fit import attend, fit_head, mixture, nnls_box
+from kvzip_jax.matching.queries import SOURCES, Probes, ReferenceQueries, reference_queries
 from kvzip_jax.matching.select import (
     AGGREGATIONS,
     attention_key_scores,
@@ -13,5 +27,7 @@ from kvzip_jax.matching.select import (
     orthogonal_matching_pursuit,
 )
 
-__all__ = ["AGGREGATIONS", "attend", "attention_key_scores", "fit_head", "highest_attention_keys", "mixture",
-           "nnls_box", "orthogonal_matching_pursuit"]
+__all__ = ["AGGREGATIONS", "BUDGETS", "METHODS", "SELECTORS", "SOURCES", "MatchingConfig", "Probes",
+           "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with", "effective_ratio",
+           "fit_head", "head_counts", "highest_attention_keys", "method_config", "mixture", "nnls_box",
+           "orthogonal_matching_pursuit", "reference_queries"]

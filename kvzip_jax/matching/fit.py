@@ -25,10 +25,14 @@ HIGHEST = jax.lax.Precision.HIGHEST
 RIDGE = 1e-6  # relative ridge of the normal equations (x mean diagonal): keeps a rank-deficient fit finite
 
 
-def logits(q: jax.Array, k: jax.Array, scale: float, key_valid: jax.Array | None = None) -> jax.Array:
-    """[N, T] float32 scaled logits s q.k, MASK_VALUE where key_valid [T] is False."""
+def logits(q: jax.Array, k: jax.Array, scale: float, key_valid: jax.Array | None = None,
+           query_valid: jax.Array | None = None) -> jax.Array:
+    """[N, T] float32 scaled logits s q.k, MASK_VALUE where key_valid [T] or query_valid [N] is False (a row of a
+    padding query sees no key, so it carries no weight in any fit)."""
     z = jnp.einsum("NH,TH->NT", q.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
-    return z if key_valid is None else jnp.where(key_valid[None, :], z, MASK_VALUE)
+    if key_valid is not None:
+        z = jnp.where(key_valid[None, :], z, MASK_VALUE)
+    return z if query_valid is None else jnp.where(query_valid[:, None], z, MASK_VALUE)
 
 
 def mass_features(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -40,13 +44,16 @@ def mass_features(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return phi, phi.sum(axis=1), seen
 
 
-def _solve_normal(a: jax.Array, b: jax.Array) -> jax.Array:
-    """argmin_x |a x - b|^2 (+ a relative ridge) via Cholesky of a^T a: a [N, S], b [N, ...] -> [S, ...]."""
+def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.Array | None = None) -> jax.Array:
+    """argmin_x |a x - b|^2 + lam |x - prior|^2 via Cholesky of a^T a + lam I: a [N, S], b [N, ...] -> [S, ...];
+    lam = ridge x the mean diagonal of a^T a (relative, so it does not depend on the scale of a); prior: 0 if None."""
     gram = jnp.einsum("NS,NU->SU", a, a, precision=HIGHEST)  # [S, S]
     size = gram.shape[0]
-    ridge = RIDGE * jnp.maximum(jnp.trace(gram) / max(size, 1), 1e-30)
-    chol = jnp.linalg.cholesky(gram + ridge * jnp.eye(size, dtype=gram.dtype))
+    lam = ridge * jnp.maximum(jnp.trace(gram) / max(size, 1), 1e-30)
+    chol = jnp.linalg.cholesky(gram + lam * jnp.eye(size, dtype=gram.dtype))
     rhs = jnp.einsum("NS,N...->S...", a, b, precision=HIGHEST)
+    if prior is not None:
+        rhs = rhs + lam * prior
     return jax.scipy.linalg.cho_solve((chol, True), rhs)
 
 
@@ -68,27 +75,32 @@ def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int)
 
 
 def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scale: float,
-             key_valid: jax.Array | None = None, *, lower: float = float(jnp.exp(-3.0)),
-             upper: float = float(jnp.exp(3.0)), iters: int = 2):
+             key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
+             active: jax.Array | None = None, lower: float = float(jnp.exp(-3.0)), upper: float = float(jnp.exp(3.0)),
+             iters: int = 2, value_ridge: float = RIDGE):
     """The compacted block of one KV head: (C_k [S, H], beta [S], C_v [S, H]), float32.
 
-    q [N, H] reference queries; k, v [T, H]; selected [S] int indices into T (S static; S = 0 gives empty arrays);
-    key_valid [T] bool or None. beta = log w with w from nnls_box over the mass features (box [lower, upper]; the
+    q [N, H] reference queries (query_valid [N] bool: padding rows carry no weight); k, v [T, H]; selected [S] int
+    indices into T (S static; S = 0 gives empty arrays); key_valid [T] bool or None; active [S] bool or None: only
+    the active selected keys take part (a budget below the static S; the others come back as zeros with beta =
+    log(lower), to be dropped). beta = log w with w from nnls_box over the mass features (box [lower, upper]; the
     defaults are the paper's HAK setting e^-3..e^3 with 2 gradient steps); C_v is the least-squares fit of the
     block's outputs from the compacted attention weights.
     """
     if selected.shape[0] == 0:  # a head whose budget is 0 keeps nothing
         return jnp.zeros((0, k.shape[1]), jnp.float32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, v.shape[1]),
                                                                                             jnp.float32)
-    z = logits(q, k, scale, key_valid)  # [N, T]
+    active = jnp.ones(selected.shape, bool) if active is None else active
+    z = logits(q, k, scale, key_valid, query_valid)  # [N, T]
     phi, mass, seen = mass_features(z)
-    w = nnls_box(phi[:, selected], mass, lower, upper, iters)  # [S]
+    w = nnls_box(jnp.where(active[None, :], phi[:, selected], 0.0), mass, lower, upper, iters)  # [S]
     beta = jnp.log(w)
     attention = jnp.where(seen[:, None], jax.nn.softmax(z, axis=1), 0.0)  # [N, T]; unseen rows weigh nothing
     target = jnp.einsum("NT,TH->NH", attention, v.astype(jnp.float32), precision=HIGHEST)  # [N, H]
-    compact_z = z[:, selected] + beta[None, :]  # [N, S]
-    weights = jnp.where(seen[:, None], jax.nn.softmax(compact_z, axis=1), 0.0)  # [N, S]
-    c_v = _solve_normal(weights, target)  # [S, H]
+    compact_z = jnp.where(active[None, :], z[:, selected] + beta[None, :], MASK_VALUE)  # [N, S]
+    weights = jnp.where(seen[:, None] & active[None, :], jax.nn.softmax(compact_z, axis=1), 0.0)  # [N, S]
+    kept_v = jnp.where(active[:, None], v[selected].astype(jnp.float32), 0.0)  # [S, H]
+    c_v = _solve_normal(weights, target, value_ridge, kept_v)  # [S, H]; shrunk towards the kept values
     return k[selected].astype(jnp.float32), beta, c_v
 
 

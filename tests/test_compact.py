@@ -1,0 +1,75 @@
+"""matching.compact on a tiny random model: jit and eager agree, budgets are exact (uniform and global), the
+compacted cache is a masked cache with fitted values and a bias at the kept slots, and nothing is NaN."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax import matching
+from kvzip_jax.kvzip import scoring
+from kvzip_jax.kvzip.budget import kept_count
+from kvzip_jax.models.params import init_params
+
+from .test_kvzip_score import tiny_config
+
+
+def _reread(prefix_lens, contexts, chunk, rng, prompt=5):
+    """RereadInputs with random reread prompts (the tiny model has no tokenizer)."""
+    C, B = max(-(-len(c) // chunk) for c in contexts), len(contexts)
+    rows = [[np.concatenate([rng.integers(0, 101, prompt), c[t * chunk:(t + 1) * chunk]]) for t in range(C)]
+            for c in contexts]
+    W = max(len(r) for rr in rows for r in rr)
+    tokens, valid, lens = np.zeros((C, B, W), np.int32), np.zeros((C, B), np.int32), np.zeros((C, B), np.int32)
+    for b, rr in enumerate(rows):
+        for t, r in enumerate(rr):
+            tokens[t, b, :len(r)], valid[t, b] = r, len(r)
+            lens[t, b] = len(contexts[b][t * chunk:(t + 1) * chunk])
+    starts = np.asarray(prefix_lens)[None, :] + chunk * np.arange(C)[:, None]
+    return scoring.RereadInputs(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(starts, jnp.int32),
+                                jnp.asarray(lens), jnp.asarray(prefix_lens, jnp.int32),
+                                jnp.asarray([len(c) for c in contexts], jnp.int32), chunk)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_config(2)
+    params = init_params(cfg, seed=1, scale=0.15)
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(0, 101, 4).astype(np.int32) for _ in range(2)]
+    contexts = [rng.integers(0, 101, n).astype(np.int32) for n in (40, 27)]
+    _, cache = gen.prefill(params, cfg, [np.concatenate([p, c]) for p, c in zip(prefixes, contexts)], capacity=128)
+    return cfg, params, cache, _reread([4, 4], contexts, 16, rng)
+
+
+@pytest.mark.parametrize("selector", matching.SELECTORS)
+@pytest.mark.parametrize("budget", matching.BUDGETS)
+def test_compact_jit_eager_budgets(setup, selector, budget):
+    cfg, params, cache, reread = setup
+    config = matching.MatchingConfig(ratio=0.3, selector=selector, budget=budget, sources=("repeat", "context"))
+    out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
+    eager, eager_counts = matching.compact(params, cfg, cache, reread, config)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(eager_counts))
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-4, rtol=1e-4)
+        assert np.isfinite(np.asarray(a, np.float64)).all()
+    ratio = matching.effective_ratio(config, cache)
+    L, K = cfg.num_layers, cfg.num_kv_heads
+    want = np.asarray(kept_count(ratio, reread.context_len * (1 if budget == "uniform" else L * K)))
+    per_row = np.asarray(counts).sum(axis=(0, 2)) if budget == "global" else np.asarray(counts)[0, :, 0]
+    np.testing.assert_array_equal(per_row, want)
+    kept = np.asarray(kv.kept_per_head(out)) - 4  # the prefix is never compacted
+    np.testing.assert_array_equal(kept, np.asarray(counts))
+    for layer, old in zip(out.layers, cache.layers):
+        dropped = ~np.asarray(layer.keep)
+        assert (np.asarray(layer.bias)[dropped] == 0).all()
+        np.testing.assert_array_equal(np.asarray(layer.k), np.asarray(old.k))  # keys stay where they were
+
+
+def test_ratio_one_returns_the_cache(setup):
+    cfg, params, cache, reread = setup
+    out, counts = matching.compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=1.0))
+    assert out is cache
+    np.testing.assert_array_equal(np.asarray(counts)[0, :, 0], np.asarray(reread.context_len))
