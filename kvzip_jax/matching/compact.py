@@ -87,6 +87,10 @@ class MatchingConfig:
     def needs_kvzip_scores(self) -> bool:
         return self.selector == "kvzip" or (self.budget == "global" and self.budget_scores == "kvzip")
 
+    @property
+    def needs_attention_scores(self) -> bool:
+        return self.selector == "hak" or (self.budget == "global" and self.budget_scores == "attention")
+
     def box(self) -> tuple[float, float, int]:
         """(lower, upper, gradient steps) of the NNLS weights: OMP's [1e-12, e^7] with none, else HAK's e^+-3
         with 2 (the reference code's settings)."""
@@ -122,8 +126,9 @@ def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadI
 def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
                  config: MatchingConfig):
     """compact from reference queries already captured (one reference pass serves many ratios and methods)."""
-    if any(getattr(layer, "keep", None) is not None or layer.bias is not None for layer in cache.layers):
-        raise scoring.CacheLayoutError("compact a full cache: this one is already masked or compacted")
+    if any(not isinstance(layer, kv.LayerCache) or layer.keep is not None or layer.bias is not None
+           for layer in cache.layers):
+        raise scoring.CacheLayoutError("compact a full dense cache: this one is ragged, masked or compacted")
     if config.needs_kvzip_scores and queries.kvzip_scores is None:
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")
     prefix_len, context_len = reread.prefix_len, reread.context_len
@@ -148,13 +153,11 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     kvzip_rank = hak = None
     if config.needs_kvzip_scores:
         kvzip_rank = queries.kvzip_scores[jnp.asarray(layers)][..., :n]  # [L, B, K, n]
-    if config.selector == "hak" or (config.budget == "global" and config.budget_scores == "attention"):
+    if config.needs_attention_scores:
         hak = jax.lax.map(lambda a: attention_key_scores(a[0], a[1], scale, config.aggregate, a[2], a[3]),
                           (heads(q), heads(k), heads(key_valid), heads(query_valid))).reshape(L, B, K, n)
-    rank = hak if config.selector == "hak" else kvzip_rank if config.selector == "kvzip" else None
-    budget_rank = None
-    if config.budget == "global":
-        budget_rank = kvzip_rank if config.budget_scores == "kvzip" else hak
+    rank = {"hak": hak, "kvzip": kvzip_rank}.get(config.selector)  # OMP ranks nothing: it selects greedily
+    budget_rank = {"kvzip": kvzip_rank, "attention": hak}[config.budget_scores] if config.budget == "global" else None
     counts = head_counts(ratio, context_len, (L, B, K, n), config.budget, budget_rank, size)  # [L, B, K]
     lower, upper, iters = config.box()
 

@@ -141,8 +141,8 @@ def reference_queries(params, cfg: ModelConfig, cache: kv.KVCache, reread: scori
     if "context" in sources:
         for t in range(chunks):  # chunk t on top of [prefix | chunks before t], at its own positions
             start = reread.chunk_start[t]  # [B]
-            before = kv.KVCache(tuple(dataclasses.replace(layer, lengths=jnp.broadcast_to(
-                start[:, None], layer.lengths.shape).astype(jnp.int32)) for layer in cache.layers), start)
+            before = kv.rewind(cache, kv.CacheMark(tuple(jnp.broadcast_to(start[:, None], layer.lengths.shape)
+                                                         for layer in cache.layers), start))
             positions = start[:, None] + jnp.arange(reread.chunk_size, dtype=jnp.int32)
             q, valid, _ = _capture(params, cfg, before, _context_chunk(reread, t), positions, reread.chunk_len[t],
                                    -(-per_source // chunks))
