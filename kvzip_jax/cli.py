@@ -4,10 +4,12 @@
   kvzip-jax convert --bundled NAME [--out DIR]      (default out: $KVZIP_CHECKPOINTS or ./checkpoints, /NAME)
   kvzip-jax head-scores --model NAME_OR_PATH [--tokens N] [--text FILE] [--overwrite]
       once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
-  kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--level pair|pair-uniform|layer|head]
-                     [--question Q ...] [--questions FILE] [--max-new-tokens N] [--chunk-size M]
-      prefill the context once, compress its cache with KVzip (ratio = fraction of context pairs kept), then answer
-      each question from the compressed cache; with no questions given, reads them from stdin, one per line
+  kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|am-omp|kvzip-am]
+                     [--level pair|pair-uniform|layer|head] [--question Q ...] [--questions FILE]
+                     [--max-new-tokens N] [--chunk-size M]
+      prefill the context once, compress its cache with KVzip (--level: KVzip only) or compact it by Attention
+      Matching (am-*, kvzip-am; ratio = fraction of context pairs kept), then answer each question from the
+      compressed cache; with no questions given, reads them from stdin, one per line
   kvzip-jax eval --model NAME_OR_PATH [--methods kvzip,snapkv,...] [--ratios 1,0.9,...] [--tasks niah,...]
                  [--jsonl FILE ...] [--contexts N] [--context-tokens N] [--modes reuse,first,oracle] [--out DIR]
                  [--instruction kvzip|none|TEXT]
@@ -189,6 +191,14 @@ def _compress(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1 or args.chunk_size < 1:
         args.subparser.error("--max-new-tokens and --chunk-size must be >= 1")
+    if args.method != "kvzip":  # Attention Matching: KVzip's eviction choices do not apply
+        given = [flag for flag, on in (("--level", args.level is not None), ("--sink", args.sink),
+                                       ("--recent", args.recent)) if on]
+        if given:
+            what = "is a KVzip choice" if len(given) == 1 else "are KVzip choices"
+            args.subparser.error(f"{', '.join(given)} {what}; --method {args.method} (Attention Matching) takes none")
+    elif args.level is None:
+        args.level = "pair"
     if (args.sink or args.recent) and args.level != "head":
         args.subparser.error("--sink and --recent apply to --level head only")
     if not args.instruction.strip():
@@ -220,8 +230,8 @@ def _compress(args: argparse.Namespace) -> int:
     room = (max(map(len, suffixes)) if suffixes else INTERACTIVE_QUESTION_ROOM) + args.max_new_tokens
     compressed = kv.pack(masked, room)
     jax.block_until_ready(compressed)
-    print(f"KVzip {args.level} level at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s "
-          "(including compilation)")
+    what = f"KVzip {args.level} level" if args.method == "kvzip" else f"Attention Matching {args.method}"
+    print(f"{what} at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s (including compilation)")
     _report_kept(model.cfg, masked, context)
     print(f"KV cache bytes: full {_bytes(cache)}")
     print(f"KV cache bytes: compressed {_bytes(compressed)} (ragged, room for {room} more tokens)")
@@ -243,12 +253,13 @@ def _compress(args: argparse.Namespace) -> int:
 
 
 def _evict(args: argparse.Namespace, model, cache, context, head_scores):
-    """(masked cache, how it was made): KVzip scoring, or the saved head scores for --level head."""
+    """(masked cache, how it was made): KVzip scoring, the saved head scores for --level head, or an Attention
+    Matching compaction (a masked cache whose kept slots carry fitted values and a per-key bias)."""
     import jax
     import jax.numpy as jnp
 
     from kvzip_jax import cache as kv
-    from kvzip_jax import kvzip
+    from kvzip_jax import kvzip, matching
     from kvzip_jax.kvzip.scoring import evictable_layers
 
     prefix_len, context_len = context.context_start, len(context) - context.context_start
@@ -259,6 +270,15 @@ def _evict(args: argparse.Namespace, model, cache, context, head_scores):
         return masked, "from saved head scores, no scoring pass"
     reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [context.ids()[context.context_slice]],
                                  args.chunk_size)
+    if args.method in matching.METHODS:
+        config = matching.method_config(args.method, args.ratio)
+        compact = matching.compact if config.on_policy else jax.jit(matching.compact)  # on-policy: jitted per layer
+        compacted, _ = compact(model.params, model.cfg, cache, reread, config)
+        if args.ratio >= 1.0:
+            return compacted, "ratio 1 keeps the cache as it is"
+        return compacted, (f"keys selected ({config.selector}), values and biases fitted; pairs kept at ratio "
+                           f"{matching.effective_ratio(config, cache):.4f} (less, to pay for the 4-byte bias per kept "
+                           "pair)")
     compress = jax.jit(kvzip.score_and_evict)
     masked, _ = compress(model.params, model.cfg, cache, reread, args.ratio, kvzip.KVzipConfig(level=args.level))
     return masked, "scored and evicted"
@@ -292,22 +312,28 @@ def _answer(model, cache, question: str, suffix, max_new_tokens: int):
 def _add_compress(subparsers) -> None:
     from kvzip_jax.kvzip.eviction import LEVELS
     from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
+    from kvzip_jax.matching import METHODS
 
-    parser = subparsers.add_parser("compress", help="compress a context's KV cache with KVzip once, then answer "
-                                   "questions from it")
+    parser = subparsers.add_parser("compress", help="compress a context's KV cache once (KVzip or Attention "
+                                   "Matching), then answer questions from it")
     parser.add_argument("--model", required=True, help="bundled model name or a model path")
     parser.add_argument("--context", required=True, metavar="FILE", help="text file to use as the context")
     parser.add_argument("--ratio", type=float, required=True,
                         help="fraction of context KV pairs kept, in (0, 1] (kvpress's compression_ratio is 1 - it)")
-    parser.add_argument("--level", choices=LEVELS, default="pair", help="eviction level (head: run head-scores "
-                        "first; then no scoring pass)")
+    parser.add_argument("--method", choices=("kvzip", *METHODS), default="kvzip",
+                        help=f"kvzip (default) or Attention Matching: {', '.join(METHODS)} (keys picked by "
+                        "highest attention, orthogonal matching pursuit or KVzip's scores; values and a per-key bias "
+                        "fitted)")
+    parser.add_argument("--level", choices=LEVELS, help="KVzip's eviction level (default pair; head: run "
+                        "head-scores first; then no scoring pass)")
     parser.add_argument("--question", action="append", metavar="Q", help="a question (repeatable)")
     parser.add_argument("--questions", metavar="FILE", help='JSON list of strings or of {"question", "answer"}')
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--instruction", default="none", help='text that opens the user message before the context, '
                         'kept with the never-evicted prefix: "kvzip" for KVzip\'s task instruction ("Given the '
                         'context, answer to the following question or request without explanation."), or "none"')
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens; also "
+                        "Attention Matching's reference queries)")
     parser.add_argument("--sink", type=int, default=0, help="--level head: first context tokens every dropped head "
                         "keeps (on top of the ratio)")
     parser.add_argument("--recent", type=int, default=0, help="--level head: last context tokens every dropped "

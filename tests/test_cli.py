@@ -1,15 +1,18 @@
 """The kvzip-jax command, run in-process: bad input exits 2 with one line; compress and head-scores end to end on
 SmolLM2 with a tiny context (the model is restored once per module; registry.load itself is tested elsewhere)."""
 
+import dataclasses
 import io
 import json
 
 import pytest
 
 from kvzip_jax import cli, prompts
+from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.checkpoint import is_checkpoint
 from tests.conftest import _checkpoints_dir
+from tests.test_kvzip_score import tiny_config
 
 CONTEXT = ("The survey team left Longyearbyen on the fourth of May. The helicopter that evacuated the injured "
            "glaciologist was piloted by Ingrid Solberg. The backup ice-core drill travelled in crate K-4471. The "
@@ -107,6 +110,45 @@ def test_compress_answers_from_the_compressed_cache(capsys, smollm2, restored, c
     kept_line = next(line for line in out.splitlines() if line.startswith("tokens kept: "))
     kept, total = (int(x) for x in kept_line.split()[2:5:2])
     assert kept == total // 2  # floor(0.5 x context pairs), exactly
+
+
+@pytest.fixture
+def tiny(monkeypatch, restored):
+    """A tiny random model (2 layers, 2 KV heads, head dim 8) with SmolLM2's tokenizer, as the CLI's model."""
+    cfg = tiny_config(2)
+    cfg = dataclasses.replace(cfg, vocab_size=restored.cfg.vocab_size)
+    model = dataclasses.replace(restored, cfg=cfg, params=init_params(cfg, seed=1, scale=0.15))
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": model)
+    return model
+
+
+def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes(capsys, tiny, context_file):
+    argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--method", "am-hak",
+            "--question", QUESTION, "--max-new-tokens", "4", "--chunk-size", "64"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Attention Matching am-hak at ratio 0.3: keys selected (hak), values and biases fitted" in out
+    assert out.count("\nA: ") == 1 and f"Q: {QUESTION}\nA: " in out
+    kept_line = next(line for line in out.splitlines() if line.startswith("tokens kept: "))
+    kept, total = (int(x) for x in kept_line.split()[2:5:2])
+    assert 0 < kept < 0.3 * total  # same bytes: a few pairs fewer than KVzip's floor(0.3 x pairs), for the bias
+    assert "KV cache bytes: full " in out and "KV cache bytes: compressed " in out
+    # the bias is counted: every kept pair costs 2 x 8 x 4 + 4 bytes in float32 (the prefix's pairs too)
+    filled = lambda name: int(next(line for line in out.splitlines() if line.startswith(f"KV cache bytes: {name}"))
+                              .split()[4].replace(",", ""))
+    full_pairs = filled("full") // (2 * 8 * 4)
+    assert filled("compressed") == (full_pairs - (total - kept)) * (2 * 8 * 4 + 4)
+
+
+@pytest.mark.parametrize("flags, fragment", [(["--level", "pair"], "--level is a KVzip choice"),
+                                             (["--level", "head", "--sink", "4"], "--level, --sink are KVzip choices")])
+def test_attention_matching_refuses_kvzip_choices(capsys, monkeypatch, context_file, flags, fragment):
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3",
+                  "--method", "kvzip-am", *flags])
+    assert exit_info.value.code == cli.EXIT_USER_ERROR
+    assert f"{fragment}; --method kvzip-am (Attention Matching) takes none" in capsys.readouterr().err
 
 
 def test_head_scores_then_compress_at_the_head_level_from_stdin(capsys, monkeypatch, smollm2, tmp_path):

@@ -1,6 +1,8 @@
 """matching.compact on a tiny random model: jit and eager agree, budgets are exact (uniform and global), the
 compacted cache is a masked cache with fitted values and a bias at the kept slots, and nothing is NaN."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,3 +75,33 @@ def test_ratio_one_returns_the_cache(setup):
     out, counts = matching.compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=1.0))
     assert out is cache
     np.testing.assert_array_equal(np.asarray(counts)[0, :, 0], np.asarray(reread.context_len))
+
+
+@pytest.mark.parametrize("selector", matching.SELECTORS)
+def test_on_policy_jit_eager_and_first_layer(setup, selector):
+    """On-policy compaction: jit and eager agree; layer 0 sees the same queries as off-policy (nothing before it is
+    compacted), so its fit is the off-policy one; a later layer's is not (its queries come from compacted layers)."""
+    cfg, params, cache, reread = setup
+    config = matching.MatchingConfig(ratio=0.3, selector=selector, budget="global", on_policy=True)
+    out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
+    eager, eager_counts = matching.compact(params, cfg, cache, reread, config)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(eager_counts))
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-4, rtol=1e-4)
+        assert np.isfinite(np.asarray(a, np.float64)).all()
+    off, off_counts = matching.compact(params, cfg, cache, reread, dataclasses.replace(config, on_policy=False))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(off_counts))  # budgets from the full cache's pass
+    first, last = (out.layers[0], off.layers[0]), (out.layers[-1], off.layers[-1])
+    np.testing.assert_array_equal(np.asarray(first[0].keep), np.asarray(first[1].keep))
+    np.testing.assert_allclose(np.asarray(first[0].v), np.asarray(first[1].v), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(first[0].bias), np.asarray(first[1].bias), atol=1e-4, rtol=1e-4)
+    assert not np.allclose(np.asarray(last[0].v), np.asarray(last[1].v), atol=1e-3, rtol=1e-3)
+
+
+def test_on_policy_choices_are_checked(setup):
+    cfg, params, cache, reread = setup
+    with pytest.raises(ValueError, match="on-policy"):
+        matching.MatchingConfig(on_policy=True, sources=("repeat", "context"))
+    queries = matching.reference_queries(params, cfg, cache, reread, with_scores=True)
+    with pytest.raises(ValueError, match="call compact"):
+        matching.compact_with(queries, cfg, cache, reread, matching.MatchingConfig(on_policy=True))

@@ -270,3 +270,21 @@ def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
     assert [x.shape for x in jax.live_arrays() if id(x) not in live] == []
     assert (gen.forward_step._cache_size(), gen._decode_loop._cache_size(),
             sw._kvzip_scores._cache_size()) == one_task
+
+
+def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
+    """The AM methods (off- and on-policy) sweep beside KVzip from one shared reference pass: every answer recorded,
+    ratio 1 answers as the full cache, a compacted cache moves the distributions (finite KL > 0) at 0.2."""
+    methods = ("kvzip", "am-hak", "kvzip-am-op")
+    config = sw.SweepConfig(methods=methods, ratios=(1.0, 0.2), batch_size=3)
+    path = tmp_path / "results.jsonl"
+    sw.run_sweep(model, examples(), config, path, progress=False)
+    got = _by_key(path)
+    want = {(ex.task, ex.id, m, "reuse", r, i) for ex in examples() for i in range(len(ex.questions))
+            for m in methods for r in config.ratios}
+    assert set(got) - {k for k in got if k[2] == "full"} == want
+    for method in methods:
+        at = lambda ratio: [r for r in got.values() if r["method"] == method and r["ratio"] == ratio]
+        assert all(r["agree"] and r["kl"] == 0.0 for r in at(1.0)), method
+        kls = [r["kl"] for r in at(0.2)]
+        assert np.isfinite(kls).all() and np.mean(kls) > 0.0, method

@@ -8,8 +8,9 @@ Per batch of contexts (same task, similar lengths, right-padded):
      greedy answer, which follows the draft while the forced argmax agrees and is decoded from there on. So
      agreement compares like with like: a compressed cache that keeps every pair answers exactly as the full one;
   4. per method and mode, one scoring pass; per ratio, a masked cache (no copy of the scores or prefill).
-     Attention Matching methods (matching.METHODS: am-hak, am-omp, kvzip-am) share one reference pass (KVzip's
-     reread, which captures their queries and gives KVzip's scores at once); per ratio, a compacted cache.
+     Attention Matching methods (matching.METHODS: am-hak, am-omp, kvzip-am, and the on-policy am-hak-op,
+     kvzip-am-op) share one reference pass (KVzip's reread, which captures their queries and gives KVzip's scores
+     at once); per ratio, a compacted cache (on-policy ones rerun the reread layer by layer, per ratio).
 Modes: "reuse" compresses once without any question and answers every question (query-agnostic, the KVzip
 protocol); "first" compresses with the first question in view and reuses that cache for the rest; "oracle"
 recompresses per question. Query-independent methods (kvzip, streamingllm, random) run in "reuse" only.
@@ -253,7 +254,12 @@ class Sweep:
                         start = time.perf_counter()
                         if method in matching.METHODS:
                             config = matching.method_config(method, float(ratio))
-                            masked, _ = _compacted(shared.queries(), self.model.cfg, cache, shared.reread(), config)
+                            if config.on_policy:  # eagerly: its per-layer steps are jitted (matching.compact)
+                                masked, _ = matching.compact(self.params, self.model.cfg, cache, shared.reread(),
+                                                             config, queries=shared.queries())
+                            else:
+                                masked, _ = _compacted(shared.queries(), self.model.cfg, cache, shared.reread(),
+                                                       config)
                             keeps_all = ratio >= 1.0  # compact_with returns the cache itself at ratio 1
                         else:
                             masked, keeps_all = _masked(method, scores, cache, *lengths, jnp.float32(ratio),

@@ -25,6 +25,7 @@ S kept keys per head (static), H head dim.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -36,12 +37,23 @@ from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.matching.budgets import BUDGETS, head_counts, static_count
 from kvzip_jax.matching.fit import fit_head
-from kvzip_jax.matching.queries import SOURCES, Probes, ReferenceQueries, reference_queries
+from kvzip_jax.matching.queries import (
+    SOURCES,
+    Probes,
+    QueryObserver,
+    ReferenceQueries,
+    reference_passes,
+    reference_queries,
+    stack_rows,
+)
 from kvzip_jax.matching.select import AGGREGATIONS, OMP_UPPER, attention_key_scores, orthogonal_matching_pursuit
+from kvzip_jax.models.transformer import apply_block, embed_tokens
 
 SELECTORS = ("hak", "omp", "kvzip")
 BUDGET_SCORES = ("kvzip", "attention")
-METHODS = {"am-hak": "hak", "am-omp": "omp", "kvzip-am": "kvzip"}  # method name -> selector
+# method name -> its MatchingConfig choices; "-op": on-policy (layer-sequential) compaction
+METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": dict(selector="kvzip"),
+           "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(selector="kvzip", on_policy=True)}
 BIAS_BYTES = 4  # a float32 beta per kept pair
 
 
@@ -55,6 +67,8 @@ class MatchingConfig:
     or the reference queries' aggregated attention); head_cap: a head keeps at most head_cap x the uniform count.
     sources: reference query sources (queries.SOURCES); query_cap: most reference rows per KV head and layer.
     omp_step, omp_refit: OMP's keys per step and steps per refit (1, 1: exact; 4, 2: AM-OMP-fast).
+    on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
+    < l are already compacted; the sources are then repeat and self-study.
     """
 
     ratio: float = 0.1
@@ -68,6 +82,7 @@ class MatchingConfig:
     omp_step: int = 1
     omp_refit: int = 1
     same_bytes: bool = True
+    on_policy: bool = False
 
     def __post_init__(self):
         check_ratio(self.ratio)
@@ -82,6 +97,8 @@ class MatchingConfig:
             raise ValueError("head_cap, query_cap, omp_step and omp_refit must be >= 1")
         if self.needs_kvzip_scores and "repeat" not in self.sources:
             raise ValueError("KVzip's scores (selector kvzip, or global budgets by kvzip) need the 'repeat' source")
+        if self.on_policy and "context" in self.sources:
+            raise ValueError("on-policy compaction takes the repeat and self-study sources, not 'context'")
 
     @property
     def needs_kvzip_scores(self) -> bool:
@@ -101,7 +118,7 @@ def method_config(method: str, ratio: float, **choices) -> MatchingConfig:
     """The MatchingConfig of a named method (METHODS) at a ratio."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-    return MatchingConfig(ratio=ratio, selector=METHODS[method], **choices)
+    return MatchingConfig(ratio=ratio, **{**METHODS[method], **choices})
 
 
 def effective_ratio(config: MatchingConfig, cache: kv.KVCache) -> float:
@@ -114,51 +131,104 @@ def effective_ratio(config: MatchingConfig, cache: kv.KVCache) -> float:
 
 
 def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
-            config: MatchingConfig = MatchingConfig(), probes: Probes | None = None):
+            config: MatchingConfig = MatchingConfig(), probes: Probes | None = None,
+            queries: ReferenceQueries | None = None):
     """The compacted cache of a cache holding [prefix | context] per row, and the kept keys per head [L, B, K]
     (all layers; uncompacted layers count their whole context). reread: kvzip.reread_inputs of the contexts (the
-    repeat source, and where the context lies); probes: self-study turns (queries.Probes) for that source."""
-    queries = reference_queries(params, cfg, cache, reread, config.sources, config.query_cap,
-                                config.needs_kvzip_scores, probes)
-    return compact_with(queries, cfg, cache, reread, config)
+    repeat source, and where the context lies); probes: self-study turns (queries.Probes) for that source; queries:
+    this cache's reference queries when already captured (a sweep shares them), else captured here."""
+    if queries is None and (not config.on_policy or config.budget == "global"):  # on-policy uniform: no full pass
+        queries = reference_queries(params, cfg, cache, reread, config.sources, config.query_cap,
+                                    config.needs_kvzip_scores, probes)
+    if not config.on_policy:
+        return compact_with(queries, cfg, cache, reread, config)
+    _check_compactable(cache, queries, config)
+    size, counts = _budget(queries, cfg, cache, reread, config)
+    if size is None:
+        return cache, counts
+    return _compact_on_policy(params, cfg, cache, reread, config, probes, counts, size)
 
 
 def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
                  config: MatchingConfig):
-    """compact from reference queries already captured (one reference pass serves many ratios and methods)."""
+    """compact from reference queries already captured (one reference pass serves many ratios and methods); every
+    layer's queries come from the full cache (off-policy: MatchingConfig.on_policy needs compact)."""
+    if config.on_policy:
+        raise ValueError("on-policy compaction runs the model layer by layer: call compact, not compact_with")
+    _check_compactable(cache, queries, config)
+    size, counts = _budget(queries, cfg, cache, reread, config)
+    if size is None:
+        return cache, counts
+    layers = scoring.evictable_layers(cfg)
+    q = jnp.stack([queries.q[i] for i in layers])  # [L, B, K, R, H]
+    k, v = _context([cache.layers[i] for i in layers], reread)  # [L, B, K, n, H]
+    rank = None
+    if config.selector == "kvzip":
+        rank = queries.kvzip_scores[jnp.asarray(layers)]
+    elif config.selector == "hak":
+        rank = _attention_scores(q, queries.valid, k, reread, cfg, config)
+    fitted = _fit(q, queries.valid, k, v, reread, rank, counts[jnp.asarray(layers)], size, cfg, config)
+    return _written(cache, reread, layers, fitted), counts
+
+
+def _check_compactable(cache: kv.KVCache, queries: ReferenceQueries | None, config: MatchingConfig) -> None:
     if any(not isinstance(layer, kv.LayerCache) or layer.keep is not None or layer.bias is not None
            for layer in cache.layers):
         raise scoring.CacheLayoutError("compact a full dense cache: this one is ragged, masked or compacted")
-    if config.needs_kvzip_scores and queries.kvzip_scores is None:
+    if config.needs_kvzip_scores and queries is not None and queries.kvzip_scores is None:
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")
-    prefix_len, context_len = reread.prefix_len, reread.context_len
-    n = reread.chunk_size * reread.tokens.shape[0]  # context columns
-    layers = scoring.evictable_layers(cfg)
-    full_counts = jnp.broadcast_to(context_len[None, :, None], (cfg.num_layers,) + cache.layers[0].lengths.shape)
-    if config.ratio >= 1.0 or not layers:
-        return cache, full_counts.astype(jnp.int32)
-    ratio = effective_ratio(config, cache)
-    size = static_count(ratio, n, config.budget, config.head_cap)  # static keys per head
 
-    take = lambda x: scoring.slot_columns(x, prefix_len, n, axis=2)  # [B, K, C, H] -> [B, K, n, H]
-    q = jnp.stack([queries.q[i] for i in layers])  # [L, B, K, R, H]
-    k = jnp.stack([take(cache.layers[i].k) for i in layers])  # [L, B, K, n, H]
-    v = jnp.stack([take(cache.layers[i].v) for i in layers])
-    L, B, K, R, H = q.shape
-    key_valid = jnp.broadcast_to((jnp.arange(n) < context_len[:, None])[None, :, None, :], (L, B, K, n))
-    query_valid = jnp.broadcast_to(queries.valid[None, :, None, :], (L, B, K, R))
+
+def _context(layers: list[kv.LayerCache], reread: scoring.RereadInputs) -> tuple[jax.Array, jax.Array]:
+    """The context keys and values of these layers, each [L, B, K, n, H]."""
+    n = reread.chunk_size * reread.tokens.shape[0]
+    take = lambda x: scoring.slot_columns(x, reread.prefix_len, n, axis=2)  # [B, K, C, H] -> [B, K, n, H]
+    return jnp.stack([take(layer.k) for layer in layers]), jnp.stack([take(layer.v) for layer in layers])
+
+
+def _attention_scores(q, valid, k, reread: scoring.RereadInputs, cfg: ModelConfig, config: MatchingConfig):
+    """HAK's per-key scores [L, B, K, n] of queries q [L, B, K, R, H] (valid [B, R]) over keys k [L, B, K, n, H]."""
+    L, B, K, n, _ = k.shape
+    key_valid = jnp.broadcast_to((jnp.arange(n) < reread.context_len[:, None])[None, :, None, :], (L, B, K, n))
+    query_valid = jnp.broadcast_to(valid[None, :, None, :], q.shape[:4])
+    heads = lambda x: x.reshape((L * B * K,) + x.shape[3:])
+    return jax.lax.map(lambda a: attention_key_scores(a[0], a[1], cfg.query_scale, config.aggregate, a[2], a[3]),
+                       (heads(q), heads(k), heads(key_valid), heads(query_valid))).reshape(L, B, K, n)
+
+
+def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
+            config: MatchingConfig):
+    """(size, counts [L_all, B, K]): the static keys per head (None: nothing to compact) and every layer's count
+    (uncompacted layers count their whole context)."""
+    layers = scoring.evictable_layers(cfg)
+    n = reread.chunk_size * reread.tokens.shape[0]
+    full = jnp.broadcast_to(reread.context_len[None, :, None],
+                            (cfg.num_layers,) + cache.layers[0].lengths.shape).astype(jnp.int32)
+    if config.ratio >= 1.0 or not layers:
+        return None, full
+    ratio = effective_ratio(config, cache)
+    size = static_count(ratio, n, config.budget, config.head_cap)
+    shape = (len(layers),) + cache.layers[0].lengths.shape + (n,)
+    scores = None
+    if config.budget == "global" and config.budget_scores == "kvzip":
+        scores = queries.kvzip_scores[jnp.asarray(layers)][..., :n]
+    elif config.budget == "global":
+        q = jnp.stack([queries.q[i] for i in layers])
+        k = _context([cache.layers[i] for i in layers], reread)[0]
+        scores = _attention_scores(q, queries.valid, k, reread, cfg, config)
+    counts = head_counts(ratio, reread.context_len, shape, config.budget, scores, size)  # [L, B, K]
+    return size, full.at[jnp.asarray(layers)].set(counts)
+
+
+def _fit(q, valid, k, v, reread: scoring.RereadInputs, rank, counts, size: int, cfg: ModelConfig,
+         config: MatchingConfig):
+    """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (by rank [L, B, K, n], or OMP), then fit
+    their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32, c_v [L, B, K, S, H])."""
+    L, B, K, n, H = k.shape
+    key_valid = jnp.broadcast_to((jnp.arange(n) < reread.context_len[:, None])[None, :, None, :], (L, B, K, n))
+    query_valid = jnp.broadcast_to(valid[None, :, None, :], q.shape[:4])
     heads = lambda x: x.reshape((L * B * K,) + x.shape[3:])  # [L, B, K, ...] -> [L B K, ...]
     scale = cfg.query_scale
-
-    kvzip_rank = hak = None
-    if config.needs_kvzip_scores:
-        kvzip_rank = queries.kvzip_scores[jnp.asarray(layers)][..., :n]  # [L, B, K, n]
-    if config.needs_attention_scores:
-        hak = jax.lax.map(lambda a: attention_key_scores(a[0], a[1], scale, config.aggregate, a[2], a[3]),
-                          (heads(q), heads(k), heads(key_valid), heads(query_valid))).reshape(L, B, K, n)
-    rank = {"hak": hak, "kvzip": kvzip_rank}.get(config.selector)  # OMP ranks nothing: it selects greedily
-    budget_rank = {"kvzip": kvzip_rank, "attention": hak}[config.budget_scores] if config.budget == "global" else None
-    counts = head_counts(ratio, context_len, (L, B, K, n), config.budget, budget_rank, size)  # [L, B, K]
     lower, upper, iters = config.box()
 
     def fit_one(args):
@@ -167,29 +237,80 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
             selected = orthogonal_matching_pursuit(q_h, k_h, scale, size, kv_h, query_valid=qv_h, limit=count,
                                                    per_step=config.omp_step, refit_every=config.omp_refit)
         else:
-            _, selected = jax.lax.top_k(rank_h, size)
+            _, selected = jax.lax.top_k(rank_h[:n], size)
         active = (jnp.arange(size) < count) & kv_h[selected]  # [S]
         _, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
                                 lower=lower, upper=upper, iters=iters)
         return selected.astype(jnp.int32), active, beta, c_v
 
     if size == 0:
-        shape = (L * B * K, 0)
-        selected, active = jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool)
-        beta, c_v = jnp.zeros(shape, jnp.float32), jnp.zeros(shape + (H,), jnp.float32)
-    else:
-        rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
-        selected, active, beta, c_v = jax.lax.map(fit_one, (heads(q), heads(query_valid), heads(k), heads(v),
-                                                            heads(key_valid), counts.reshape(-1), rank_heads))
-    unflat = lambda x: x.reshape((L, B, K) + x.shape[1:])
-    selected, active, beta, c_v = unflat(selected), unflat(active), unflat(beta), unflat(c_v)
+        shape = (L, B, K, 0)
+        return (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.float32),
+                jnp.zeros(shape + (H,), jnp.float32))
+    rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
+    fitted = jax.lax.map(fit_one, (heads(q), heads(query_valid), heads(k), heads(v), heads(key_valid),
+                                   counts.reshape(-1), rank_heads))
+    return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
+
+def _written(cache: kv.KVCache, reread: scoring.RereadInputs, layers, fitted) -> kv.KVCache:
+    """The cache with layers[j] compacted to fitted[...][j] (_fit's outputs)."""
     new_layers = list(cache.layers)
     for j, i in enumerate(layers):
-        new_layers[i] = _compacted_layer(cache.layers[i], prefix_len, context_len, selected[j], active[j], beta[j],
-                                         c_v[j])
-    all_counts = full_counts.astype(jnp.int32).at[jnp.asarray(layers)].set(active.sum(-1, dtype=jnp.int32))
-    return dataclasses.replace(cache, layers=tuple(new_layers)), all_counts
+        new_layers[i] = _compacted_layer(cache.layers[i], reread.prefix_len, reread.context_len,
+                                         *(x[j] for x in fitted))
+    return dataclasses.replace(cache, layers=tuple(new_layers))
+
+
+def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
+                       config: MatchingConfig, probes: Probes | None, counts, size: int):
+    """Layer-sequential compaction: the reference passes run layer by layer, and layer l's queries (and KVzip
+    scores) come from the residual stream of layers < l already compacted, so each layer is fitted to the queries it
+    will see. Counts come from the full cache's pass (global budgets rank every layer at once). Called eagerly, each
+    step is a small jitted graph (one per layer, shared by every ratio); under an outer jit they inline."""
+    passes = reference_passes(cfg, cache, reread, config.sources, config.query_cap, probes,
+                              with_scores=config.selector == "kvzip")
+    streams = [embed_tokens(params["embed"], p.tokens, cfg) for p in passes]  # each [B, W, D]
+    compacted = set(scoring.evictable_layers(cfg))
+    for i in range(cfg.num_layers):
+        if i in compacted:
+            observed = [_observed_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid,
+                                        QueryObserver(p.rows, p.scorer)) for x, p in zip(streams, passes)]
+            fitted = _fit_layer(cfg, config, size, cache.layers[i], reread, counts[i], [o[0] for o in observed],
+                                [p.valid for p in passes], [o[1] for o, p in zip(observed, passes) if p.scorer])
+            cache = _written(cache, reread, (i,), fitted)
+        if i < cfg.num_layers - 1:
+            streams = [_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid)
+                       for x, p in zip(streams, passes)]
+    return cache, counts
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _observed_block(params, cfg: ModelConfig, index: int, x, positions, layer_cache, num_new, observer):
+    """Layer `index`'s observer output on the residual stream x [B, W, D]."""
+    return apply_block(params, cfg, index, x, positions, layer_cache, num_new, observer)[2]
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _block(params, cfg: ModelConfig, index: int, x, positions, layer_cache, num_new):
+    """The residual stream after layer `index`."""
+    return apply_block(params, cfg, index, x, positions, layer_cache, num_new)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.LayerCache, reread, counts,
+               captured, valid, scored):
+    """_fit of one layer from its captured queries (per pass [B, K, G, R_i, H], valid [B, R_i]) and, for the kvzip
+    selector, its per-chunk KVzip scores [B, K, m] -> fitted arrays with a leading layer axis of 1."""
+    q, valid = stack_rows([((c,), v) for c, v in zip(captured, valid)], cfg.group_size)
+    q = q[0][None]  # [1, B, K, R, H]
+    k, v = _context([layer], reread)
+    rank = None
+    if config.selector == "kvzip":
+        rank = scoring.in_context_scores(jnp.concatenate(scored, axis=-1)[None], reread.context_len)
+    elif config.selector == "hak":
+        rank = _attention_scores(q, valid, k, reread, cfg, config)
+    return _fit(q, valid, k, v, reread, rank, counts[None], size, cfg, config)
 
 
 def _compacted_layer(layer: kv.LayerCache, prefix_len, context_len, selected, active, beta, c_v) -> kv.LayerCache:

@@ -81,17 +81,62 @@ def sample_rows(num_valid: jax.Array, count: int) -> tuple[jax.Array, jax.Array]
     return rows, j < jnp.minimum(n, count)
 
 
-def _capture(params, cfg: ModelConfig, cache: kv.KVCache, tokens, positions, num_valid, count: int, inner=None):
-    """One pass of tokens [B, T] at positions on top of cache -> (per layer [B, K, G, R, H], valid [B, R], inner's
-    per-layer outputs or None)."""
-    rows, valid = sample_rows(num_valid, min(count, tokens.shape[1]))
-    _, _, aux = forward(params, tokens, positions, cache, cfg, QueryObserver(rows, inner), num_new=num_valid,
-                        logits=None)
-    captured = tuple(q for q, _ in aux["observed"])
-    return captured, valid, (None if inner is None else tuple(x for _, x in aux["observed"]))
+@dataclasses.dataclass(frozen=True)
+class ReferencePass:
+    """One teacher-forced pass of a source: tokens [B, W] at positions [B, W] (num_valid [B] real) on top of the
+    cache, or of `before` (context-prefill: the cache rewound to the chunk's start); rows [B, R] captured (valid
+    [B, R]); scorer: KVzip's observer of a repeat chunk when its scores are wanted, else None."""
+
+    tokens: jax.Array
+    positions: jax.Array
+    num_valid: jax.Array
+    rows: jax.Array
+    valid: jax.Array
+    scorer: scoring.RereadObserver | None = None
+    before: kv.KVCache | None = None
 
 
-def _stack_rows(passes, G: int):
+def reference_passes(cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs, sources: tuple[str, ...],
+                     cap: int, probes: Probes | None = None, with_scores: bool = False) -> list[ReferencePass]:
+    """The passes of the sources, at most `cap` captured rows per KV head and layer in all (split evenly over the
+    sources and their passes); with_scores: repeat passes carry KVzip's scorer."""
+    unknown = sorted(set(sources) - set(SOURCES))
+    if unknown or not sources:
+        raise ValueError(f"sources must be among {SOURCES}, got {sources}")
+    if with_scores and "repeat" not in sources:
+        raise ValueError("KVzip's scores come from the repeat pass: add 'repeat' to the sources")
+    if "self-study" in sources and probes is None:
+        raise ValueError("the self-study source needs probes (matching.self_study.probes)")
+    per_source = max(cap // (cfg.group_size * len(sources)), 1)  # token rows per source
+    chunks = reread.tokens.shape[0]
+
+    def on_top(tokens, num_valid, count, scorer=None, positions=None, before=None):
+        rows, valid = sample_rows(num_valid, min(count, tokens.shape[1]))
+        if positions is None:
+            positions = scoring.after_cache(cache, tokens.shape[1])
+        return ReferencePass(tokens, positions, num_valid, rows, valid, scorer, before)
+
+    passes = []
+    if "repeat" in sources:
+        for t in range(chunks):
+            scorer = scoring.chunk_observer(cfg, reread, t) if with_scores else None
+            passes.append(on_top(reread.tokens[t], reread.num_valid[t], -(-per_source // chunks), scorer))
+    if "context" in sources:
+        for t in range(chunks):  # chunk t on top of [prefix | chunks before t], at its own positions
+            start = reread.chunk_start[t]  # [B]
+            before = kv.rewind(cache, kv.CacheMark(tuple(jnp.broadcast_to(start[:, None], layer.lengths.shape)
+                                                         for layer in cache.layers), start))
+            positions = start[:, None] + jnp.arange(reread.chunk_size, dtype=jnp.int32)
+            passes.append(on_top(_context_chunk(reread, t), reread.chunk_len[t], -(-per_source // chunks),
+                                 positions=positions, before=before))
+    if "self-study" in sources:
+        count = probes.tokens.shape[0]
+        for p in range(count):
+            passes.append(on_top(probes.tokens[p], probes.num_valid[p], -(-per_source // count)))
+    return passes
+
+
+def stack_rows(passes, G: int):
     """Per-pass captures [(per layer [B, K, G, R_i, H], valid [B, R_i])] -> (per layer [B, K, G R, H], valid [B, G R])
     with R = sum R_i."""
     layers = tuple(jnp.concatenate(per_layer, axis=3) for per_layer in zip(*(q for q, _ in passes)))
@@ -114,45 +159,17 @@ def reference_queries(params, cfg: ModelConfig, cache: kv.KVCache, reread: scori
     """The reference queries of a cache holding [prefix | context] per row (scoring.check_context_cache), at most
     `cap` rows per KV head and layer, split evenly over the sources and their passes. with_scores: KVzip's scores
     [L, B, K, n] from the repeat pass (needs "repeat"). The cache is left unchanged."""
-    unknown = sorted(set(sources) - set(SOURCES))
-    if unknown or not sources:
-        raise ValueError(f"sources must be among {SOURCES}, got {sources}")
-    if with_scores and "repeat" not in sources:
-        raise ValueError("KVzip's scores come from the repeat pass: add 'repeat' to the sources")
-    if "self-study" in sources and probes is None:
-        raise ValueError("the self-study source needs probes (matching.self_study.probes)")
+    passes = reference_passes(cfg, cache, reread, sources, cap, probes, with_scores)
     scoring.check_context_cache(cache, reread.prefix_len, reread.context_len)
-    G = cfg.group_size
-    per_source = max(cap // (G * len(sources)), 1)  # token rows per source
-    chunks = reread.tokens.shape[0]
-    passes, scores = [], None
-    if "repeat" in sources:
-        per_chunk = []
-        for t in range(chunks):
-            inner = scoring.chunk_observer(cfg, reread, t) if with_scores else None
-            tokens = reread.tokens[t]
-            q, valid, observed = _capture(params, cfg, cache, tokens, scoring.after_cache(cache, tokens.shape[1]),
-                                          reread.num_valid[t], -(-per_source // chunks), inner)
-            passes.append((q, valid))
-            if with_scores:
-                per_chunk.append(jnp.stack(observed))  # [L, B, K, m]
-        if with_scores:
-            scores = scoring.in_context_scores(jnp.concatenate(per_chunk, axis=-1), reread.context_len)
-    if "context" in sources:
-        for t in range(chunks):  # chunk t on top of [prefix | chunks before t], at its own positions
-            start = reread.chunk_start[t]  # [B]
-            before = kv.rewind(cache, kv.CacheMark(tuple(jnp.broadcast_to(start[:, None], layer.lengths.shape)
-                                                         for layer in cache.layers), start))
-            positions = start[:, None] + jnp.arange(reread.chunk_size, dtype=jnp.int32)
-            q, valid, _ = _capture(params, cfg, before, _context_chunk(reread, t), positions, reread.chunk_len[t],
-                                   -(-per_source // chunks))
-            passes.append((q, valid))
-    if "self-study" in sources:
-        count = probes.tokens.shape[0]
-        for p in range(count):
-            tokens = probes.tokens[p]
-            q, valid, _ = _capture(params, cfg, cache, tokens, scoring.after_cache(cache, tokens.shape[1]),
-                                   probes.num_valid[p], -(-per_source // count))
-            passes.append((q, valid))
-    q, valid = _stack_rows(passes, G)
+    captured, per_chunk = [], []
+    for p in passes:
+        _, _, aux = forward(params, p.tokens, p.positions, cache if p.before is None else p.before, cfg,
+                            QueryObserver(p.rows, p.scorer), num_new=p.num_valid, logits=None)
+        captured.append((tuple(q for q, _ in aux["observed"]), p.valid))
+        if p.scorer is not None:
+            per_chunk.append(jnp.stack([x for _, x in aux["observed"]]))  # [L, B, K, m]
+    scores = None
+    if with_scores:
+        scores = scoring.in_context_scores(jnp.concatenate(per_chunk, axis=-1), reread.context_len)
+    q, valid = stack_rows(captured, cfg.group_size)
     return ReferenceQueries(q=q, valid=valid, kvzip_scores=scores)

@@ -148,9 +148,7 @@ class Transformer(nn.Module):
         cfg = self.cfg
         p = _declare(self, param_shapes(cfg))
         embed = p("embed")  # [V, D]
-        x = embed[tokens].astype(jnp.float32)  # [B, T, D]: the residual stream is float32 (layers.py)
-        if cfg.embed_scale != 1.0:
-            x = x * jnp.asarray(cfg.embed_scale, embed.dtype).astype(jnp.float32)  # rounded as HF does
+        x = embed_tokens(embed, tokens, cfg)  # [B, T, D]
         new_layers, observed = [], []
         for i, layer_cache in enumerate(cache.layers):
             x, layer_cache, obs = Block(cfg, i, self.observer, name=layer_name(i))(x, positions, layer_cache, num_new)
@@ -168,6 +166,23 @@ class Transformer(nn.Module):
         x = layers.rms_norm(x, p("final_norm"), cfg.rms_norm_eps)
         head = embed.T if cfg.tie_embeddings else p("lm_head")  # [D, V]
         return layers.linear(x, head), new_cache, aux  # [B, ., V] float32 logits
+
+
+def embed_tokens(embed, tokens, cfg: ModelConfig):
+    """The residual stream [B, T, D] float32 (layers.py) of tokens [B, T] under the embedding table [V, D]."""
+    x = embed[tokens].astype(jnp.float32)
+    if cfg.embed_scale != 1.0:
+        x = x * jnp.asarray(cfg.embed_scale, embed.dtype).astype(jnp.float32)  # rounded as HF does
+    return x
+
+
+def apply_block(params, cfg: ModelConfig, index: int, x, positions, layer_cache: kv.LayerCache, num_new,
+                observer=None):
+    """Decoder layer `index` alone on the residual stream x [B, T, D] -> (x, layer_cache, observer output): for
+    passes that go layer by layer (Attention Matching's on-policy compaction changes layer l before layer l + 1
+    runs). forward is these blocks between embed_tokens and the LM head."""
+    block = Block(cfg, index, observer)
+    return block.apply({"params": params[layer_name(index)]}, x, positions, layer_cache, num_new)
 
 
 def forward(params, tokens, positions, cache: kv.KVCache, cfg: ModelConfig, observer=None, *,
