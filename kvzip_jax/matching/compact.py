@@ -69,6 +69,8 @@ class MatchingConfig:
     omp_step, omp_refit: OMP's keys per step and steps per refit (1, 1: exact; 4, 2: AM-OMP-fast).
     on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
     < l are already compacted; the sources are then repeat and self-study.
+    fit_batch: heads fitted at once (lax.map's batch: faster on CPU; memory grows with it, a few rows x context
+    columns float32 arrays per head).
     """
 
     ratio: float = 0.1
@@ -83,6 +85,7 @@ class MatchingConfig:
     omp_refit: int = 1
     same_bytes: bool = True
     on_policy: bool = False
+    fit_batch: int = 4
 
     def __post_init__(self):
         check_ratio(self.ratio)
@@ -249,7 +252,7 @@ def _fit(q, valid, k, v, reread: scoring.RereadInputs, rank, counts, size: int, 
                 jnp.zeros(shape + (H,), jnp.float32))
     rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
     fitted = jax.lax.map(fit_one, (heads(q), heads(query_valid), heads(k), heads(v), heads(key_valid),
-                                   counts.reshape(-1), rank_heads))
+                                   counts.reshape(-1), rank_heads), batch_size=config.fit_batch)
     return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
 

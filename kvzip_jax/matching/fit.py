@@ -44,10 +44,16 @@ def mass_features(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return phi, phi.sum(axis=1), seen
 
 
-def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.Array | None = None) -> jax.Array:
+def _gram(a: jax.Array) -> jax.Array:
+    return jnp.einsum("NS,NU->SU", a, a, precision=HIGHEST)  # [S, S]
+
+
+def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.Array | None = None,
+                  gram: jax.Array | None = None) -> jax.Array:
     """argmin_x |a x - b|^2 + lam |x - prior|^2 via Cholesky of a^T a + lam I: a [N, S], b [N, ...] -> [S, ...];
-    lam = ridge x the mean diagonal of a^T a (relative, so it does not depend on the scale of a); prior: 0 if None."""
-    gram = jnp.einsum("NS,NU->SU", a, a, precision=HIGHEST)  # [S, S]
+    lam = ridge x the mean diagonal of a^T a (relative, so it does not depend on the scale of a); prior: 0 if None;
+    gram: a^T a when already computed."""
+    gram = _gram(a) if gram is None else gram
     size = gram.shape[0]
     lam = ridge * jnp.maximum(jnp.trace(gram) / max(size, 1), 1e-30)
     chol = jnp.linalg.cholesky(gram + lam * jnp.eye(size, dtype=gram.dtype))
@@ -59,13 +65,14 @@ def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.A
 
 def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int) -> jax.Array:
     """w [S] ~ argmin_{lower <= w <= upper} |m w - y|^2 for m [N, S], y [N]: the (ridged) least-squares solution
-    clipped to the box, then `iters` projected-gradient steps of size 1/|m|_2^2 (the reference code's scheme; with
-    enough steps it converges to the box-NNLS optimum, whose KKT conditions tests/test_matching.py checks)."""
-    w = jnp.clip(_solve_normal(m, y), lower, upper)  # [S]
+    clipped to the box, then `iters` projected-gradient steps of size 1/|m^T m|_F (the Frobenius norm bounds the
+    largest eigenvalue, so the steps never overshoot, at the price of an eigensolver; with enough steps it converges
+    to the box-NNLS optimum, whose KKT conditions tests/test_matching.py checks)."""
+    gram = _gram(m)  # [S, S], shared with the least-squares start
+    w = jnp.clip(_solve_normal(m, y, gram=gram), lower, upper)  # [S]
     if iters == 0:
         return w
-    gram = jnp.einsum("NS,NU->SU", m, m, precision=HIGHEST)  # [S, S]
-    lipschitz = jnp.maximum(jnp.linalg.eigvalsh(gram)[-1], 1e-6)  # |m|_2^2
+    lipschitz = jnp.maximum(jnp.sqrt(jnp.sum(gram * gram)), 1e-6)  # >= |m|_2^2
     target = jnp.einsum("NS,N->S", m, y, precision=HIGHEST)  # [S]
 
     def step(_, w):
