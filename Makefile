@@ -4,13 +4,17 @@ PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test bench
+.PHONY: demo test test-quality bench
 
 demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
 
 test: $(VENV)/.installed-test
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not quality48" tests
+
+# The 48-question quality bar (tests/test_kvzip_quality.py; ~8 minutes on 2 cores): outside the default run.
+test-quality: $(VENV)/.installed-test
+	$(PYTHON) -m pytest -q -p no:cacheprovider -s -m quality48 tests
 
 bench: $(VENV)/.installed-test
 	$(PYTHON) bench/prefill.py

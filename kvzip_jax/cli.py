@@ -4,7 +4,7 @@
   kvzip-jax convert --bundled NAME [--out DIR]      (default out: $KVZIP_CHECKPOINTS or ./checkpoints, /NAME)
   kvzip-jax head-scores --model NAME_OR_PATH [--tokens N] [--text FILE] [--overwrite]
       once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
-  kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|am-omp|kvzip-am]
+  kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|am-omp|kvzip-am|...]
                      [--level pair|pair-uniform|layer|head] [--question Q ...] [--questions FILE]
                      [--max-new-tokens N] [--chunk-size M]
       prefill the context once, compress its cache with KVzip (--level: KVzip only) or compact it by Attention
@@ -197,8 +197,10 @@ def _compress(args: argparse.Namespace) -> int:
         if given:
             what = "is a KVzip choice" if len(given) == 1 else "are KVzip choices"
             args.subparser.error(f"{', '.join(given)} {what}; --method {args.method} (Attention Matching) takes none")
-    elif args.level is None:
-        args.level = "pair"
+    else:
+        if args.self_study:
+            args.subparser.error("--self-study is an Attention Matching choice (--method am-hak, ...)")
+        args.level = args.level or "pair"
     if (args.sink or args.recent) and args.level != "head":
         args.subparser.error("--sink and --recent apply to --level head only")
     if not args.instruction.strip():
@@ -271,9 +273,13 @@ def _evict(args: argparse.Namespace, model, cache, context, head_scores):
     reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [context.ids()[context.context_slice]],
                                  args.chunk_size)
     if args.method in matching.METHODS:
-        config = matching.method_config(args.method, args.ratio)
+        probes, sources = None, ("repeat",)
+        if args.self_study:
+            probes = matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache)
+            sources = ("repeat", "self-study")
+        config = matching.method_config(args.method, args.ratio, sources=sources)
         compact = matching.compact if config.on_policy else jax.jit(matching.compact)  # on-policy: jitted per layer
-        compacted, _ = compact(model.params, model.cfg, cache, reread, config)
+        compacted, _ = compact(model.params, model.cfg, cache, reread, config, probes)
         if args.ratio >= 1.0:
             return compacted, "ratio 1 keeps the cache as it is"
         return compacted, (f"keys selected ({config.selector}), values and biases fitted; pairs kept at ratio "
@@ -324,6 +330,8 @@ def _add_compress(subparsers) -> None:
                         help=f"kvzip (default) or Attention Matching: {', '.join(METHODS)} (keys picked by "
                         "highest attention, orthogonal matching pursuit or KVzip's scores; values and a per-key bias "
                         "fitted)")
+    parser.add_argument("--self-study", action="store_true", help="Attention Matching: add reference queries from "
+                        "turns the model writes about the context (a summary, its facts, questions and answers)")
     parser.add_argument("--level", choices=LEVELS, help="KVzip's eviction level (default pair; head: run "
                         "head-scores first; then no scoring pass)")
     parser.add_argument("--question", action="append", metavar="Q", help="a question (repeatable)")

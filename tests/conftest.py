@@ -19,6 +19,8 @@ REPO_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads a 0.3-0.5B model through transformers (about a minute)")
+    config.addinivalue_line("markers", "quality48: the 48-question quality bar (minutes; `make test-quality`, not in "
+                            "`make test`)")
 
 
 def _checkpoints_dir() -> Path:

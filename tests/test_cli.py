@@ -122,12 +122,15 @@ def tiny(monkeypatch, restored):
     return model
 
 
-def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes(capsys, tiny, context_file):
-    argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--method", "am-hak",
-            "--question", QUESTION, "--max-new-tokens", "4", "--chunk-size", "64"]
+@pytest.mark.parametrize("method, selector, flags", [("am-hak", "hak", []),
+                                                     ("kvzip-am-op", "kvzip", ["--self-study"])])
+def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes(capsys, tiny, context_file, method,
+                                                                                 selector, flags):
+    argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--method", method,
+            "--question", QUESTION, "--max-new-tokens", "4", "--chunk-size", "64", *flags]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "Attention Matching am-hak at ratio 0.3: keys selected (hak), values and biases fitted" in out
+    assert f"Attention Matching {method} at ratio 0.3: keys selected ({selector}), values and biases fitted" in out
     assert out.count("\nA: ") == 1 and f"Q: {QUESTION}\nA: " in out
     kept_line = next(line for line in out.splitlines() if line.startswith("tokens kept: "))
     kept, total = (int(x) for x in kept_line.split()[2:5:2])
@@ -149,6 +152,14 @@ def test_attention_matching_refuses_kvzip_choices(capsys, monkeypatch, context_f
                   "--method", "kvzip-am", *flags])
     assert exit_info.value.code == cli.EXIT_USER_ERROR
     assert f"{fragment}; --method kvzip-am (Attention Matching) takes none" in capsys.readouterr().err
+
+
+def test_self_study_is_an_attention_matching_choice(capsys, monkeypatch, context_file):
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
+    with pytest.raises(SystemExit):
+        cli.main(["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3",
+                  "--self-study"])
+    assert "--self-study is an Attention Matching choice" in capsys.readouterr().err
 
 
 def test_head_scores_then_compress_at_the_head_level_from_stdin(capsys, monkeypatch, smollm2, tmp_path):

@@ -59,20 +59,25 @@ def test_ratio_0_3_holds_todays_floor(minutes):
     assert full_right == 6 and right >= 5 and equal >= 1, (full_right, right, equal)
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="issue 3's bar is not met on Qwen2.5-Coder-0.5B: at 0.3 this context gets 5/6 "
-                   "right (full cache 6/6) and 1/6 answers equal the full cache's (most turn into full sentences); "
-                   "over the eight bundled contexts 36/48 right (full 40/48), 16/48 equal; kvpress KVzipPress with "
-                   "the same instruction: 38/48 right (its full cache 40/48), 12/48 equal; even the "
-                   "question-and-answer-aware upper bound (bench/quality.py --oracle, oracle-qa) gets only 41/48 "
-                   "equal at 0.3")
-def test_ratio_0_3_answers_as_the_full_cache_does(minutes):
-    full, at = minutes
-    right, full_right = sum(r.correct for r in at[0.3]), sum(r.correct for r in full)
-    assert right >= full_right, f"ratio 0.3: {right}/6 right, full cache {full_right}/6"
-    equal = sum(r.equal_to_full for r in at[0.3])
-    assert equal >= 5, f"ratio 0.3: {equal}/6 answers equal the full cache's"
+@pytest.mark.quality48
+def test_kvzip_at_0_3_answers_right_nine_tenths_as_often_as_the_full_cache(qwen_gguf):
+    """The bar as revised (issue 16; `make test-quality`, about 8 minutes here, so outside the default run, where
+    the one-context floor above guards the same path): on the 48 bundled questions (8 contexts x 6, one cache per
+    context), KVzip at 0.3 answers right at least 90% as often as the full cache (measured: 36/48 against 40/48).
+    Answers word for word equal to the full cache's are printed, not gated (a question-and-answer-aware selection
+    still changes 7 of 48 at 0.3 on this model)."""
+    quality = _bench_quality()
+    model = registry.load(registry.QWEN, qwen_gguf.parent.parent)
+    records = []
+    for name, item in quality.load_contexts().items():
+        records += quality.run_context(model, name, item, ratios=(0.3,), levels=("pair",))[0]
+    full = [r for r in records if r.level == quality.FULL]
+    at = [r for r in records if r.level == "pair"]
+    assert len(full) == len(at) == 48
+    right, full_right = sum(r.correct for r in at), sum(r.correct for r in full)
+    print(f"ratio 0.3: {right}/48 right (full cache {full_right}/48), "
+          f"{sum(r.equal_to_full for r in at)}/48 equal to the full cache's answers")
+    assert right >= 0.9 * full_right, f"ratio 0.3: {right}/48 right, full cache {full_right}/48"
 
 
 def test_oracle_span_scores_equal_the_numpy_oracle():

@@ -3,11 +3,13 @@
     compact = jax.jit(matching.compact)
     compacted, counts = compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=0.1, selector="hak"))
 
-Modules: queries (reference queries: repeat, context, self-study), select (Highest-Attention-Keys, Orthogonal
+Modules: queries (reference queries: repeat, context, self-study), self_study (the turns the model writes about a
+context, for the self-study source), select (Highest-Attention-Keys, Orthogonal
 Matching Pursuit), fit (NNLS biases, least-squares values, one KV head), budgets (uniform or global per-head
 counts), compact (the whole cache).
 """
 
+from kvzip_jax.matching import self_study
 from kvzip_jax.matching.budgets import BUDGETS, head_counts
 from kvzip_jax.matching.compact import (
     METHODS,
@@ -30,4 +32,4 @@ from kvzip_jax.matching.select import (
 __all__ = ["AGGREGATIONS", "BUDGETS", "METHODS", "SELECTORS", "SOURCES", "MatchingConfig", "Probes",
            "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with", "effective_ratio",
            "fit_head", "head_counts", "highest_attention_keys", "method_config", "mixture", "nnls_box",
-           "orthogonal_matching_pursuit", "reference_queries"]
+           "orthogonal_matching_pursuit", "reference_queries", "self_study"]

@@ -1,0 +1,76 @@
+"""Self-study probes: turns the model itself writes about a context, the third source of reference queries
+(reference/attention_matching.md §4; queries.py teacher-forces them on top of the cache).
+
+    probes = self_study.probes(params, cfg, tokenizer, cache, max_new_tokens=64)
+    compacted, counts = matching.compact(params, cfg, cache, reread,
+                                         MatchingConfig(sources=("repeat", "self-study")), probes=probes)
+
+Each prompt is asked of the context cache as a user turn (every batch row gets the same prompt), and the answer is
+sampled with our own decode loop (temperature > 0, so the turns vary, seeded, so they are reproducible). A probe is
+the prompt's suffix tokens followed by the answer: the queries the model makes while reading a question about the
+context and answering it, the queries later questions will make. The cache is left as it was (the turns run on a
+copy).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax.config import ModelConfig
+from kvzip_jax.matching.queries import Probes
+from kvzip_jax.prompts import question_suffix, stop_token_ids
+
+PROMPTS = (
+    "Summarize the context above in a few sentences.",
+    "List every name, number, date, place and code that appears in the context above.",
+    "Write three questions about specific details of the context above, each followed by its answer.",
+)
+
+
+def probes(params, cfg: ModelConfig, tokenizer, cache: kv.KVCache, prompts: Sequence[str] = PROMPTS, *,
+           max_new_tokens: int = 64, temperature: float = 0.7, seed: int = 0) -> Probes:
+    """Probes (tokens [P, B, W] right-padded, num_valid [P, B]) of the P prompts asked of every row of a context
+    cache, each answered by sampling up to max_new_tokens. The cache is not modified."""
+    if not prompts:
+        raise ValueError("self-study needs at least one prompt")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    B = cache.next_position.shape[0]
+    stops = stop_token_ids(tokenizer)
+    rows = []  # per prompt, per batch row: int32 token ids
+    for p, text in enumerate(prompts):
+        suffix = question_suffix(tokenizer, text)
+        work = _with_room(cache, len(suffix) + max_new_tokens)  # a copy: prefill and decode donate their cache
+        logits, work = gen.prefill(params, cfg, [suffix] * B, work)
+        answers, _ = gen.decode(params, cfg, logits, work, max_new_tokens, stop_tokens=stops,
+                                sampling=gen.Sampling.make(temperature, seed=seed + p))
+        rows.append([np.concatenate([suffix, np.asarray(a, np.int32)]) for a in answers])
+    width = max(len(r) for per_prompt in rows for r in per_prompt)
+    tokens = np.zeros((len(prompts), B, width), np.int32)
+    num_valid = np.zeros((len(prompts), B), np.int32)
+    for p, per_prompt in enumerate(rows):
+        for b, r in enumerate(per_prompt):
+            tokens[p, b, :len(r)], num_valid[p, b] = r, len(r)
+    return Probes(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid))
+
+
+def _with_room(cache: kv.KVCache, need: int) -> kv.KVCache:
+    """A copy of a dense cache with at least `need` free slots per row (its slot axis padded)."""
+    short = max(need - int(cache.room().min()), 0)
+
+    def grown(layer: kv.LayerCache) -> kv.LayerCache:
+        if not isinstance(layer, kv.LayerCache):
+            raise TypeError("self-study probes run on a dense context cache, not a ragged one")
+        pad = lambda x, value=0: None if x is None else jnp.pad(x, [(0, 0), (0, 0), (0, short)] + [(0, 0)] * (
+            x.ndim - 3), constant_values=value)
+        return dataclasses.replace(layer, k=pad(layer.k), v=pad(layer.v), keep=pad(layer.keep, True),
+                                   bias=pad(layer.bias), lengths=jnp.copy(layer.lengths))
+
+    return dataclasses.replace(cache, layers=tuple(grown(layer) for layer in cache.layers),
+                               next_position=jnp.copy(cache.next_position))

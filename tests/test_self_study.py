@@ -1,0 +1,61 @@
+"""Self-study probes (matching.self_study) on a tiny random model with SmolLM2's tokenizer: the turns are sampled
+reproducibly, the cache is left as it was, and they serve as reference queries for compact (off- and on-policy)."""
+
+import jax
+import numpy as np
+import pytest
+
+from kvzip_jax import generate as gen
+from kvzip_jax import kvzip, matching, prompts
+from kvzip_jax.matching import self_study
+
+from .test_eval_sweep import tiny_model
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_gguf):
+    from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
+
+    model = tiny_model(tokenizer_from_gguf(smollm2_gguf))
+    texts = ["The code of the blue door is 4471. Ada keeps the key. " * 3, "Bo met Cy in Lima on May 2. " * 4]
+    parts = [prompts.split_for_reuse(model.tokenizer, t, [])[0] for t in texts]
+    _, cache = gen.prefill(model.params, model.cfg, [p.ids() for p in parts])  # capacity: exactly the prompts
+    reread = kvzip.reread_inputs(model.tokenizer, [p.context_start for p in parts],
+                                 [p.ids()[p.context_slice] for p in parts], chunk_size=32)
+    return model, cache, reread
+
+
+def test_probes_are_prompt_then_sampled_answer_reproducibly(setup):
+    model, cache, _ = setup
+    before = [np.asarray(x) for x in jax.tree.leaves(cache)]
+    got = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=12, seed=3)
+    again = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=12, seed=3)
+    other = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=12, seed=4)
+    P, B = len(self_study.PROMPTS), cache.batch_size
+    assert got.tokens.shape[:2] == (P, B) and got.num_valid.shape == (P, B)
+    for p, text in enumerate(self_study.PROMPTS):
+        suffix = prompts.question_suffix(model.tokenizer, text)
+        for b in range(B):
+            n = int(got.num_valid[p, b])
+            assert len(suffix) < n <= len(suffix) + 12  # the prompt, then at least one sampled token
+            np.testing.assert_array_equal(np.asarray(got.tokens[p, b, :len(suffix)]), suffix)
+            assert (np.asarray(got.tokens[p, b, n:]) == 0).all()
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(again.tokens))
+    assert not np.array_equal(np.asarray(got.tokens), np.asarray(other.tokens))
+    for a, b in zip(before, jax.tree.leaves(cache)):
+        np.testing.assert_array_equal(a, np.asarray(b))  # the cache is left as it was (and not donated)
+
+
+@pytest.mark.parametrize("on_policy", [False, True])
+def test_self_study_probes_serve_as_reference_queries(setup, on_policy):
+    model, cache, reread = setup
+    probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
+    config = matching.MatchingConfig(ratio=0.3, sources=("repeat", "self-study"), on_policy=on_policy)
+    out, counts = jax.jit(matching.compact)(model.params, model.cfg, cache, reread, config, probes)
+    eager, _ = matching.compact(model.params, model.cfg, cache, reread, config, probes)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-4, rtol=1e-4)
+        assert np.isfinite(np.asarray(a, np.float64)).all()
+    repeat_only, _ = matching.compact(model.params, model.cfg, cache, reread,
+                                      matching.MatchingConfig(ratio=0.3, on_policy=on_policy))
+    assert not np.allclose(np.asarray(out.layers[0].v), np.asarray(repeat_only.layers[0].v))  # the probes count
