@@ -105,3 +105,18 @@ def test_on_policy_choices_are_checked(setup):
     queries = matching.reference_queries(params, cfg, cache, reread, with_scores=True)
     with pytest.raises(ValueError, match="call compact"):
         matching.compact_with(queries, cfg, cache, reread, matching.MatchingConfig(on_policy=True))
+
+
+def test_refined_compaction_moves_only_beta_and_values_of_kept_slots(setup):
+    cfg, params, cache, reread = setup
+    base = matching.MatchingConfig(ratio=0.3, budget="uniform")
+    closed, counts = jax.jit(matching.compact)(params, cfg, cache, reread, base)
+    refined, refined_counts = jax.jit(matching.compact)(params, cfg, cache, reread,
+                                                        dataclasses.replace(base, refine_steps=20))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(refined_counts))
+    for a, b in zip(closed.layers, refined.layers):
+        np.testing.assert_array_equal(np.asarray(a.keep), np.asarray(b.keep))
+        np.testing.assert_array_equal(np.asarray(a.k), np.asarray(b.k))
+        moved = ~np.isclose(np.asarray(a.v), np.asarray(b.v), atol=1e-6).all(-1)  # [B, K, C]
+        assert moved.any() and not (moved & ~np.asarray(a.keep)).any()
+        assert np.isfinite(np.asarray(b.bias)).all() and np.isfinite(np.asarray(b.v)).all()

@@ -4,9 +4,9 @@
     compacted, counts = compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=0.1, selector="hak"))
 
 Modules: queries (reference queries: repeat, context, self-study), self_study (the turns the model writes about a
-context, for the self-study source), select (Highest-Attention-Keys, Orthogonal
-Matching Pursuit), fit (NNLS biases, least-squares values, one KV head), budgets (uniform or global per-head
-counts), compact (the whole cache).
+context, for the self-study source), select (Highest-Attention-Keys, Orthogonal Matching Pursuit), fit (NNLS biases,
+least-squares values, one KV head), refine (optax steps from the closed form), budgets (uniform or global per-head
+counts), compact (the whole cache; on-policy: layer by layer).
 """
 
 from kvzip_jax.matching import self_study
@@ -22,6 +22,7 @@ from kvzip_jax.matching.compact import (
 )
 from kvzip_jax.matching.fit import attend, fit_head, mixture, nnls_box
 from kvzip_jax.matching.queries import SOURCES, Probes, ReferenceQueries, reference_queries
+from kvzip_jax.matching.refine import matching_loss, refine_head
 from kvzip_jax.matching.select import (
     AGGREGATIONS,
     attention_key_scores,
@@ -32,4 +33,4 @@ from kvzip_jax.matching.select import (
 __all__ = ["AGGREGATIONS", "BUDGETS", "METHODS", "SELECTORS", "SOURCES", "MatchingConfig", "Probes",
            "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with", "effective_ratio",
            "fit_head", "head_counts", "highest_attention_keys", "method_config", "mixture", "nnls_box",
-           "orthogonal_matching_pursuit", "reference_queries", "self_study"]
+           "matching_loss", "orthogonal_matching_pursuit", "reference_queries", "refine_head", "self_study"]

@@ -46,6 +46,7 @@ from kvzip_jax.matching.queries import (
     reference_queries,
     stack_rows,
 )
+from kvzip_jax.matching.refine import refine_head
 from kvzip_jax.matching.select import AGGREGATIONS, OMP_UPPER, attention_key_scores, orthogonal_matching_pursuit
 from kvzip_jax.models.transformer import apply_block, embed_tokens
 
@@ -69,6 +70,7 @@ class MatchingConfig:
     omp_step, omp_refit: OMP's keys per step and steps per refit (1, 1: exact; 4, 2: AM-OMP-fast).
     on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
     < l are already compacted; the sources are then repeat and self-study.
+    refine_steps: Adam steps (matching.refine) on beta and C_v from the closed form, per head (0: none).
     fit_batch: heads fitted at once (lax.map's batch: faster on CPU; memory grows with it, a few rows x context
     columns float32 arrays per head).
     """
@@ -86,6 +88,7 @@ class MatchingConfig:
     same_bytes: bool = True
     on_policy: bool = False
     fit_batch: int = 4
+    refine_steps: int = 0
 
     def __post_init__(self):
         check_ratio(self.ratio)
@@ -96,8 +99,10 @@ class MatchingConfig:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if not self.sources or set(self.sources) - set(SOURCES):
             raise ValueError(f"sources must be among {SOURCES}, got {self.sources}")
-        if self.head_cap < 1 or self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1:
-            raise ValueError("head_cap, query_cap, omp_step and omp_refit must be >= 1")
+        if self.head_cap < 1 or self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1 or self.fit_batch < 1:
+            raise ValueError("head_cap, query_cap, omp_step, omp_refit and fit_batch must be >= 1")
+        if self.refine_steps < 0:
+            raise ValueError(f"refine_steps must be >= 0, got {self.refine_steps}")
         if self.needs_kvzip_scores and "repeat" not in self.sources:
             raise ValueError("KVzip's scores (selector kvzip, or global budgets by kvzip) need the 'repeat' source")
         if self.on_policy and "context" in self.sources:
@@ -242,8 +247,11 @@ def _fit(q, valid, k, v, reread: scoring.RereadInputs, rank, counts, size: int, 
         else:
             _, selected = jax.lax.top_k(rank_h[:n], size)
         active = (jnp.arange(size) < count) & kv_h[selected]  # [S]
-        _, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
-                                lower=lower, upper=upper, iters=iters)
+        c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
+                                  lower=lower, upper=upper, iters=iters)
+        if config.refine_steps:  # keys stay at their slots: only beta and C_v move
+            _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
+                                          active=active, steps=config.refine_steps)
         return selected.astype(jnp.int32), active, beta, c_v
 
     if size == 0:
