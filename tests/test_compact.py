@@ -120,3 +120,32 @@ def test_refined_compaction_moves_only_beta_and_values_of_kept_slots(setup):
         moved = ~np.isclose(np.asarray(a.v), np.asarray(b.v), atol=1e-6).all(-1)  # [B, K, C]
         assert moved.any() and not (moved & ~np.asarray(a.keep)).any()
         assert np.isfinite(np.asarray(b.bias)).all() and np.isfinite(np.asarray(b.v)).all()
+
+
+def test_one_head_of_compact_equals_the_numpy_oracle(setup):
+    """The whole closed-form compaction of one head, written out in numpy: HAK (rms over the reference queries'
+    attention) picks the uniform count of keys, then the float64 fit (tests/test_matching.py's oracle) gives the bias
+    and values that compact writes at those slots."""
+    from .test_matching import _numpy_fit
+
+    cfg, params, cache, reread = setup
+    config = matching.MatchingConfig(ratio=0.3, selector="hak", budget="uniform")
+    queries = matching.reference_queries(params, cfg, cache, reread)
+    out, counts = matching.compact_with(queries, cfg, cache, reread, config)
+    layer, row, head = 1, 1, 0
+    prefix, n = int(reread.prefix_len[row]), int(reread.context_len[row])
+    q = np.asarray(queries.q[layer][row, head], np.float64)[np.asarray(queries.valid[row])]
+    k = np.asarray(cache.layers[layer].k[row, head, prefix:prefix + n], np.float64)
+    v = np.asarray(cache.layers[layer].v[row, head, prefix:prefix + n], np.float64)
+    z = cfg.query_scale * q @ k.T
+    attention = np.exp(z - z.max(axis=1, keepdims=True))
+    attention /= attention.sum(axis=1, keepdims=True)
+    count = int(counts[layer, row, head])
+    assert count == int(kept_count(matching.effective_ratio(config, cache), np.asarray([n]))[0])
+    selected = np.sort(np.argsort(-np.sqrt((attention ** 2).mean(axis=0)), kind="stable")[:count])
+    _, beta, c_v = _numpy_fit(q, k, v, selected, cfg.query_scale, float(np.exp(-3)), float(np.exp(3)), 2)
+    compacted = out.layers[layer]
+    kept = np.flatnonzero(np.asarray(compacted.keep[row, head, prefix:prefix + n]))
+    np.testing.assert_array_equal(kept, selected)
+    np.testing.assert_allclose(np.asarray(compacted.bias[row, head, prefix + kept]), beta, atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(compacted.v[row, head, prefix + kept]), c_v, atol=2e-3, rtol=2e-3)

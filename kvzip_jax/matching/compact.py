@@ -13,7 +13,9 @@ Never compacted: the prefix before the context, anything after it, and sliding-w
 
 Budgets (budgets.py) are uniform or global. `same_bytes` (default) counts the bias' 4 bytes per kept pair: a ratio
 keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at H = 64 in float32),
-so a compacted cache holds at most the bytes of an evicted one at the same ratio.
+so the compacted context pairs take about the bytes of the evicted ones at the same ratio (to within the rounding of
+two integer budgets). The bias is stored per slot of a compacted layer, so the never-compacted prefix and the tokens
+after the context pay its 4 bytes too (cache.used_bytes counts them).
 
 `compact` runs the reference pass and the fit; a sweep runs `reference_queries` once per context and
 `compact_with` per ratio and method.
