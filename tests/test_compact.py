@@ -77,12 +77,13 @@ def test_ratio_one_returns_the_cache(setup):
     np.testing.assert_array_equal(np.asarray(counts)[0, :, 0], np.asarray(reread.context_len))
 
 
-@pytest.mark.parametrize("selector", matching.SELECTORS)
-def test_on_policy_jit_eager_and_first_layer(setup, selector):
+def test_on_policy_jit_eager_and_first_layer(setup):
     """On-policy compaction: jit and eager agree; layer 0 sees the same queries as off-policy (nothing before it is
-    compacted), so its fit is the off-policy one; a later layer's is not (its queries come from compacted layers)."""
+    compacted), so its fit is the off-policy one; a later layer's is not (its queries come from compacted layers).
+    The kvzip selector takes the per-layer KVzip scores of the on-policy pass (tests/test_self_study.py runs HAK
+    on-policy)."""
     cfg, params, cache, reread = setup
-    config = matching.MatchingConfig(ratio=0.3, selector=selector, budget="global", on_policy=True)
+    config = matching.MatchingConfig(ratio=0.3, selector="kvzip", budget="global", on_policy=True)
     out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
     eager, eager_counts = matching.compact(params, cfg, cache, reread, config)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(eager_counts))
