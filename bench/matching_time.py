@@ -12,6 +12,8 @@ system prompt, prefilled once into a [prefix | context] cache; then, on that cac
                        KVzip's scores): the reference pass (KVzip's reread, capturing queries and scores) and the fit;
   - am-hak ref pass    matching.reference_queries alone (the first half of the above),
   - am-hak fit         jax.jit(matching.compact_with) from those queries (the second half);
+  - am-hak uniform     the same with uniform budgets (every head fitted at ratio x T keys: the cheapest fit);
+  - am-hak-op          on-policy compaction (layer by layer; eager, with jitted per-layer steps);
   - am-omp-fast        matching.compact, am-omp with omp_step=4, omp_refit=2 (AM-OMP-fast);
   - am-omp             matching.compact, am-omp exact (omp_step=1, omp_refit=1); --skip-omp-exact leaves it out and
                        --omp-exact-query-cap lowers its reference rows (the table then says so).
@@ -173,7 +175,20 @@ def main() -> None:
     record("  am-hak fit", compile_s, times, "compact_with from those queries", kept=kept_fraction(counts, cfg, n_ctx))
     del queries
 
-    # 5. OMP: fast, then exact
+    # 5. am-hak variants: uniform budgets (static fit size ratio x T instead of head_cap x that), and on-policy
+    # (layer by layer, called eagerly: its per-layer steps are jitted, so the run after the first is warm)
+    uniform = matching.method_config("am-hak", args.ratio, budget="uniform")
+    compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, uniform),
+                                                 args.repeats)
+    record("am-hak uniform", compile_s, times, "matching.compact, budget uniform",
+           kept=kept_fraction(counts, cfg, n_ctx))
+    on_policy = matching.method_config("am-hak-op", args.ratio)
+    compile_s, times, (_, counts) = run_warm(lambda: matching.compact(params, cfg, cache, reread, on_policy),
+                                             args.repeats)
+    record("am-hak-op", compile_s, times, "matching.compact, on-policy (eager loop of jitted layer steps)",
+           kept=kept_fraction(counts, cfg, n_ctx))
+
+    # 6. OMP: fast, then exact
     fast = matching.method_config("am-omp", args.ratio, omp_step=4, omp_refit=2)
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, fast),
                                                  args.omp_repeats)
