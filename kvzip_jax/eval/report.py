@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -226,6 +227,9 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
     fig = Figure(figsize=(5 * ncols, 3.8 * nrows), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    series = list(dict.fromkeys((r["method"], r["mode"]) for r in rows if r["method"] != "full"))
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    colors = {key: palette[i % len(palette)] for i, key in enumerate(series)}  # one colour per line in every panel
     for ax, task in zip(axes, tasks):
         lines = collections.defaultdict(list)  # (method, mode) -> [(ratio, value, low, high)]
         for r in rows:
@@ -240,8 +244,9 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
                                                       v if high is None else high))
         for (method, mode), pts in lines.items():
             xs, ys, lows, highs = zip(*sorted(pts, reverse=True))
-            drawn = ax.plot(xs, ys, marker="o", markersize=4, label=f"{method} ({mode})")
-            ax.fill_between(xs, lows, highs, color=drawn[0].get_color(), alpha=0.12, linewidth=0)
+            color = colors[method, mode]
+            ax.plot(xs, ys, marker="o", markersize=4, label=f"{method} ({mode})", color=color)
+            ax.fill_between(xs, lows, highs, color=color, alpha=0.12, linewidth=0)
         ax.set_xlim(1.03, lowest - 0.03)  # descending: the full cache's 1.0 at the left
         ax.set(title=task, xlabel="KV cache ratio", ylabel=label)
         ax.grid(alpha=0.3)
