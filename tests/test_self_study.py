@@ -1,5 +1,5 @@
 """Self-study probes (matching.self_study) on a tiny random model with SmolLM2's tokenizer: the turns are sampled
-reproducibly, the cache is left as it was, and they serve as reference queries for compact (off- and on-policy)."""
+reproducibly, the cache is left as it was, and they serve as reference queries for compact."""
 
 import jax
 import numpy as np
@@ -46,16 +46,16 @@ def test_probes_are_prompt_then_sampled_answer_reproducibly(setup):
         np.testing.assert_array_equal(a, np.asarray(b))  # the cache is left as it was (and not donated)
 
 
-@pytest.mark.parametrize("on_policy", [False, True])
-def test_self_study_probes_serve_as_reference_queries(setup, on_policy):
+def test_self_study_probes_serve_as_reference_queries(setup):
+    """(On-policy with self-study runs in tests/test_cli.py, through compress --method kvzip-am-op --self-study.)"""
     model, cache, reread = setup
     probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
-    config = matching.MatchingConfig(ratio=0.3, sources=("repeat", "self-study"), on_policy=on_policy)
+    config = matching.MatchingConfig(ratio=0.3, sources=("repeat", "self-study"))
     out, counts = jax.jit(matching.compact)(model.params, model.cfg, cache, reread, config, probes)
     eager, _ = matching.compact(model.params, model.cfg, cache, reread, config, probes)
     for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-4, rtol=1e-4)
         assert np.isfinite(np.asarray(a, np.float64)).all()
     repeat_only, _ = matching.compact(model.params, model.cfg, cache, reread,
-                                      matching.MatchingConfig(ratio=0.3, on_policy=on_policy))
+                                      matching.MatchingConfig(ratio=0.3))
     assert not np.allclose(np.asarray(out.layers[0].v), np.asarray(repeat_only.layers[0].v))  # the probes count
