@@ -80,7 +80,7 @@ def test_ratio_one_returns_the_cache(setup):
 def test_on_policy_jit_eager_and_first_layer(setup):
     """On-policy compaction: jit and eager agree; layer 0 sees the same queries as off-policy (nothing before it is
     compacted), so its fit is the off-policy one; a later layer's is not (its queries come from compacted layers).
-    The kvzip selector takes the per-layer KVzip scores of the on-policy pass (tests/test_self_study.py runs HAK
+    The kvzip selector takes the per-layer KVzip scores of the on-policy pass (tests/test_eval_sweep.py runs HAK
     on-policy)."""
     cfg, params, cache, reread = setup
     config = matching.MatchingConfig(ratio=0.3, selector="kvzip", budget="global", on_policy=True)

@@ -275,7 +275,7 @@ def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
 def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
     """The AM methods (off- and on-policy) sweep beside KVzip from one shared reference pass: every answer recorded,
     ratio 1 answers as the full cache, a compacted cache moves the distributions (finite KL > 0) at 0.2."""
-    methods = ("kvzip", "am-hak", "kvzip-am-op")
+    methods = ("kvzip", "kvzip-am", "am-hak-op")
     config = sw.SweepConfig(methods=methods, ratios=(1.0, 0.2), batch_size=3)
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
