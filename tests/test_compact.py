@@ -35,6 +35,17 @@ def _reread(prefix_lens, contexts, chunk, rng, prompt=5):
                                 jnp.asarray([len(c) for c in contexts], jnp.int32), chunk)
 
 
+def compact_jit_and_eager(params, cfg, cache, reread, config, probes=None):
+    """matching.compact under jit, after checking that eager gives the same counts and arrays, all finite."""
+    out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config, probes)
+    eager, eager_counts = matching.compact(params, cfg, cache, reread, config, probes)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(eager_counts))
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-4, rtol=1e-4)
+        assert np.isfinite(np.asarray(a, np.float64)).all()
+    return out, counts
+
+
 @pytest.fixture(scope="module")
 def setup():
     cfg = tiny_config(2)
@@ -51,12 +62,7 @@ def setup():
 def test_compact_jit_eager_budgets(setup, selector, budget):
     cfg, params, cache, reread = setup
     config = matching.MatchingConfig(ratio=0.3, selector=selector, budget=budget, sources=("repeat", "context"))
-    out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
-    eager, eager_counts = matching.compact(params, cfg, cache, reread, config)
-    np.testing.assert_array_equal(np.asarray(counts), np.asarray(eager_counts))
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-4, rtol=1e-4)
-        assert np.isfinite(np.asarray(a, np.float64)).all()
+    out, counts = compact_jit_and_eager(params, cfg, cache, reread, config)
     ratio = matching.effective_ratio(config, cache)
     L, K = cfg.num_layers, cfg.num_kv_heads
     want = np.asarray(kept_count(ratio, reread.context_len * (1 if budget == "uniform" else L * K)))
@@ -84,12 +90,7 @@ def test_on_policy_jit_eager_and_first_layer(setup):
     on-policy)."""
     cfg, params, cache, reread = setup
     config = matching.MatchingConfig(ratio=0.3, selector="kvzip", budget="global", on_policy=True)
-    out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
-    eager, eager_counts = matching.compact(params, cfg, cache, reread, config)
-    np.testing.assert_array_equal(np.asarray(counts), np.asarray(eager_counts))
-    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(eager)):
-        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-4, rtol=1e-4)
-        assert np.isfinite(np.asarray(a, np.float64)).all()
+    out, counts = compact_jit_and_eager(params, cfg, cache, reread, config)
     off, off_counts = matching.compact(params, cfg, cache, reread, dataclasses.replace(config, on_policy=False))
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(off_counts))  # budgets from the full cache's pass
     first, last = (out.layers[0], off.layers[0]), (out.layers[-1], off.layers[-1])

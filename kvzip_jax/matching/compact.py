@@ -197,12 +197,19 @@ def _context(layers: list[kv.LayerCache], reread: scoring.RereadInputs) -> tuple
     return jnp.stack([take(layer.k) for layer in layers]), jnp.stack([take(layer.v) for layer in layers])
 
 
-def _attention_scores(q, valid, k, reread: scoring.RereadInputs, cfg: ModelConfig, config: MatchingConfig):
-    """HAK's per-key scores [L, B, K, n] of queries q [L, B, K, R, H] (valid [B, R]) over keys k [L, B, K, n, H]."""
+def _per_head(q, valid, k, reread: scoring.RereadInputs):
+    """(key_valid [L, B, K, n], query_valid [L, B, K, R], heads) for queries q [L, B, K, R, H] (valid [B, R]) and keys
+    k [L, B, K, n, H]; heads flattens [L, B, K, ...] -> [L B K, ...] for a lax.map over heads."""
     L, B, K, n, _ = k.shape
     key_valid = jnp.broadcast_to((jnp.arange(n) < reread.context_len[:, None])[None, :, None, :], (L, B, K, n))
     query_valid = jnp.broadcast_to(valid[None, :, None, :], q.shape[:4])
-    heads = lambda x: x.reshape((L * B * K,) + x.shape[3:])
+    return key_valid, query_valid, lambda x: x.reshape((L * B * K,) + x.shape[3:])
+
+
+def _attention_scores(q, valid, k, reread: scoring.RereadInputs, cfg: ModelConfig, config: MatchingConfig):
+    """HAK's per-key scores [L, B, K, n] of queries q [L, B, K, R, H] (valid [B, R]) over keys k [L, B, K, n, H]."""
+    L, B, K, n, _ = k.shape
+    key_valid, query_valid, heads = _per_head(q, valid, k, reread)
     return jax.lax.map(lambda a: attention_key_scores(a[0], a[1], cfg.query_scale, config.aggregate, a[2], a[3]),
                        (heads(q), heads(k), heads(key_valid), heads(query_valid))).reshape(L, B, K, n)
 
@@ -236,9 +243,7 @@ def _fit(q, valid, k, v, reread: scoring.RereadInputs, rank, counts, size: int, 
     """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (by rank [L, B, K, n], or OMP), then fit
     their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32, c_v [L, B, K, S, H])."""
     L, B, K, n, H = k.shape
-    key_valid = jnp.broadcast_to((jnp.arange(n) < reread.context_len[:, None])[None, :, None, :], (L, B, K, n))
-    query_valid = jnp.broadcast_to(valid[None, :, None, :], q.shape[:4])
-    heads = lambda x: x.reshape((L * B * K,) + x.shape[3:])  # [L, B, K, ...] -> [L B K, ...]
+    key_valid, query_valid, heads = _per_head(q, valid, k, reread)
     scale = cfg.query_scale
     lower, upper, iters = config.box()
 
