@@ -258,6 +258,43 @@ def _pack_layer(layer, offsets: jax.Array, size: int, block: int) -> RaggedLayer
                             offsets=offsets, bias=bias, block=block)
 
 
+def defragment(cache: KVCache) -> KVCache:
+    """A dense cache from a masked (or compacted) one of the same capacity: each head's visible filled slots move
+    to the front, in their order, with their bias; the evicted slots become free room for new tokens. Keys keep their
+    original RoPE and next_position is unchanged, so attention is the same. Jittable (shapes do not change)."""
+    return dataclasses.replace(cache, layers=tuple(_defragment_layer(layer) for layer in cache.layers),
+                               next_position=jnp.array(cache.next_position))
+
+
+def _defragment_layer(layer):
+    if not isinstance(layer, LayerCache):
+        raise TypeError("defragment takes dense (masked) layers; a ragged layer stores only its kept pairs already")
+    if layer.keep is None:
+        return layer
+    visible = _visible(layer)  # [B, K, C]
+    # A stable order that puts the visible slots first: slot index, offset by C for the others.
+    order = jnp.argsort(jnp.where(visible, 0, layer.capacity) + jnp.arange(layer.capacity), axis=-1)  # [B, K, C]
+    gather = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
+    return LayerCache(k=gather(layer.k), v=gather(layer.v), lengths=visible.sum(-1, dtype=jnp.int32),
+                      bias=None if layer.bias is None else gather(layer.bias))
+
+
+def grown(cache: KVCache, extra: int) -> KVCache:
+    """A copy of a dense cache with `extra` more slots per head (room for a pass on top of a full cache)."""
+    if extra < 0:
+        raise ValueError(f"extra must be >= 0, got {extra}")
+
+    def grow(layer):
+        if not isinstance(layer, LayerCache):
+            raise TypeError("grown takes a dense cache, not a ragged one")
+        pad = lambda x, value=0: None if x is None else jnp.pad(
+            x, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 3), constant_values=value)
+        return LayerCache(k=pad(layer.k), v=pad(layer.v), lengths=jnp.copy(layer.lengths), keep=pad(layer.keep, True),
+                          bias=pad(layer.bias))
+
+    return KVCache(layers=tuple(grow(layer) for layer in cache.layers), next_position=jnp.copy(cache.next_position))
+
+
 def kept_per_head(cache: KVCache) -> jax.Array:
     """[L, B, K] visible filled slots of every head (what pack needs room for)."""
     return jnp.stack([_visible(layer).sum(-1) if isinstance(layer, LayerCache) else layer.lengths

@@ -56,6 +56,26 @@ def test_keeping_every_key_reproduces_attention_exactly():
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-3)
 
 
+def test_a_block_with_its_own_bias_is_reproduced_with_the_bias_carried():
+    """Compacting again: the block's keys carry a bias (a compacted block); keeping every key reproduces its
+    attention, and the returned beta is that bias (log w = 0); HAK and OMP scores see the bias."""
+    q, k, v = _head(2)
+    bias = jnp.asarray(np.random.default_rng(9).uniform(-2, 2, k.shape[0]), jnp.float32)
+    ck, beta, cv = matching.fit_head(q, k, v, jnp.arange(k.shape[0]), SCALE, key_bias=bias)
+    # float32 NNLS: a key whose bias is -2 carries e^-2 of the mass, so its log-weight error is ~e^2 x the 1e-4 of
+    # the unbiased test above
+    np.testing.assert_allclose(np.asarray(beta), np.asarray(bias), atol=1e-3)
+    fresh, _, _ = _head(3)
+    want_out, want_lse = matching.attend(fresh, k, v, SCALE, bias)
+    out, lse = matching.attend(fresh, ck, cv, SCALE, beta)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-3)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-3)
+    hidden = bias.at[5].set(-1e4)  # a key whose bias hides it is never the most attended nor the first OMP pick
+    scores = matching.attention_key_scores(q, k, SCALE, "max", key_bias=hidden)
+    assert float(scores[5]) < 1e-6 < float(matching.attention_key_scores(q, k, SCALE, "max")[5])
+    assert 5 not in np.asarray(matching.orthogonal_matching_pursuit(q, k, SCALE, 4, key_bias=hidden))
+
+
 def _numpy_fit(q, k, v, selected, scale, lower, upper, iters):
     """The closed form written out in float64 numpy (lstsq by SVD), the oracle of fit_head."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))

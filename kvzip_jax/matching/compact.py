@@ -9,7 +9,9 @@ Orthogonal Matching Pursuit, or KVzip's own scores), then fit.fit_head gives eac
 attention mass) and a new value (least squares on the attention output). The selected keys stay at their original
 slots with their original RoPE, so the compacted cache is a masked cache whose kept slots carry the new values and
 the bias: every cache operation (pack, decode, the Pallas kernels) takes it as it is, and new tokens get no bias.
-Never compacted: the prefix before the context, anything after it, and sliding-window layers (Gemma 3).
+Never compacted: the prefix before the context, anything after it, and sliding-window layers (Gemma 3). A cache
+compacted before (dense, with a bias: kv.defragment of a compacted cache, as online.py makes) compacts again: every
+score and fit counts the bias its keys already carry, and a kept key's new bias includes it.
 
 Budgets (budgets.py) are uniform or global. `same_bytes` (default) counts the bias' 4 bytes per kept pair: a ratio
 keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at H = 64 in float32),
@@ -172,29 +174,32 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
         return cache, counts
     layers = scoring.evictable_layers(cfg)
     q = jnp.stack([queries.q[i] for i in layers])  # [L, B, K, R, H]
-    k, v = _context([cache.layers[i] for i in layers], reread)  # [L, B, K, n, H]
+    k, v, bias = _context([cache.layers[i] for i in layers], reread)  # [L, B, K, n, H], bias [L, B, K, n]
     rank = None
     if config.selector == "kvzip":
         rank = queries.kvzip_scores[jnp.asarray(layers)]
     elif config.selector == "hak":
-        rank = _attention_scores(q, queries.valid, k, reread, cfg, config)
-    fitted = _fit(q, queries.valid, k, v, reread, rank, counts[jnp.asarray(layers)], size, cfg, config)
+        rank = _attention_scores(q, queries.valid, k, bias, reread, cfg, config)
+    fitted = _fit(q, queries.valid, k, v, bias, reread, rank, counts[jnp.asarray(layers)], size, cfg, config)
     return _written(cache, reread, layers, fitted), counts
 
 
 def _check_compactable(cache: kv.KVCache, queries: ReferenceQueries | None, config: MatchingConfig) -> None:
-    if any(not isinstance(layer, kv.LayerCache) or layer.keep is not None or layer.bias is not None
-           for layer in cache.layers):
-        raise scoring.CacheLayoutError("compact a full dense cache: this one is ragged, masked or compacted")
+    if any(not isinstance(layer, kv.LayerCache) or layer.keep is not None for layer in cache.layers):
+        raise scoring.CacheLayoutError("compact a dense cache: this one is ragged or masked (kv.defragment a masked "
+                                       "or compacted one first)")
     if config.needs_kvzip_scores and queries is not None and queries.kvzip_scores is None:
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")
 
 
-def _context(layers: list[kv.LayerCache], reread: scoring.RereadInputs) -> tuple[jax.Array, jax.Array]:
-    """The context keys and values of these layers, each [L, B, K, n, H]."""
+def _context(layers: list[kv.LayerCache], reread: scoring.RereadInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The context keys and values of these layers, each [L, B, K, n, H], and their bias [L, B, K, n] (0 where a
+    layer has none)."""
     n = reread.chunk_size * reread.tokens.shape[0]
-    take = lambda x: scoring.slot_columns(x, reread.prefix_len, n, axis=2)  # [B, K, C, H] -> [B, K, n, H]
-    return jnp.stack([take(layer.k) for layer in layers]), jnp.stack([take(layer.v) for layer in layers])
+    take = lambda x: scoring.slot_columns(x, reread.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
+    bias = lambda layer: (jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias)
+    return (jnp.stack([take(layer.k) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
+            jnp.stack([take(bias(layer)) for layer in layers]))
 
 
 def _per_head(q, valid, k, reread: scoring.RereadInputs):
@@ -206,12 +211,14 @@ def _per_head(q, valid, k, reread: scoring.RereadInputs):
     return key_valid, query_valid, lambda x: x.reshape((L * B * K,) + x.shape[3:])
 
 
-def _attention_scores(q, valid, k, reread: scoring.RereadInputs, cfg: ModelConfig, config: MatchingConfig):
-    """HAK's per-key scores [L, B, K, n] of queries q [L, B, K, R, H] (valid [B, R]) over keys k [L, B, K, n, H]."""
+def _attention_scores(q, valid, k, bias, reread: scoring.RereadInputs, cfg: ModelConfig, config: MatchingConfig):
+    """HAK's per-key scores [L, B, K, n] of queries q [L, B, K, R, H] (valid [B, R]) over keys k [L, B, K, n, H] with
+    their bias [L, B, K, n]."""
     L, B, K, n, _ = k.shape
     key_valid, query_valid, heads = _per_head(q, valid, k, reread)
-    return jax.lax.map(lambda a: attention_key_scores(a[0], a[1], cfg.query_scale, config.aggregate, a[2], a[3]),
-                       (heads(q), heads(k), heads(key_valid), heads(query_valid))).reshape(L, B, K, n)
+    return jax.lax.map(lambda a: attention_key_scores(a[0], a[1], cfg.query_scale, config.aggregate, a[2], a[3],
+                                                      a[4]),
+                       (heads(q), heads(k), heads(key_valid), heads(query_valid), heads(bias))).reshape(L, B, K, n)
 
 
 def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
@@ -232,34 +239,36 @@ def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCach
         scores = queries.kvzip_scores[jnp.asarray(layers)][..., :n]
     elif config.budget == "global":
         q = jnp.stack([queries.q[i] for i in layers])
-        k = _context([cache.layers[i] for i in layers], reread)[0]
-        scores = _attention_scores(q, queries.valid, k, reread, cfg, config)
+        k, _, bias = _context([cache.layers[i] for i in layers], reread)
+        scores = _attention_scores(q, queries.valid, k, bias, reread, cfg, config)
     counts = head_counts(ratio, reread.context_len, shape, config.budget, scores, size)  # [L, B, K]
     return size, full.at[jnp.asarray(layers)].set(counts)
 
 
-def _fit(q, valid, k, v, reread: scoring.RereadInputs, rank, counts, size: int, cfg: ModelConfig,
+def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size: int, cfg: ModelConfig,
          config: MatchingConfig):
-    """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (by rank [L, B, K, n], or OMP), then fit
-    their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32, c_v [L, B, K, S, H])."""
+    """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (with their bias [L, B, K, n]; by rank
+    [L, B, K, n], or OMP), then fit their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32
+    (the kept keys' whole bias), c_v [L, B, K, S, H])."""
     L, B, K, n, H = k.shape
     key_valid, query_valid, heads = _per_head(q, valid, k, reread)
     scale = cfg.query_scale
     lower, upper, iters = config.box()
 
     def fit_one(args):
-        q_h, qv_h, k_h, v_h, kv_h, count, rank_h = args
+        q_h, qv_h, k_h, v_h, b_h, kv_h, count, rank_h = args
         if config.selector == "omp":
             selected = orthogonal_matching_pursuit(q_h, k_h, scale, size, kv_h, query_valid=qv_h, limit=count,
-                                                   per_step=config.omp_step, refit_every=config.omp_refit)
+                                                   per_step=config.omp_step, refit_every=config.omp_refit,
+                                                   key_bias=b_h)
         else:
             _, selected = jax.lax.top_k(rank_h[:n], size)
         active = (jnp.arange(size) < count) & kv_h[selected]  # [S]
         c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
-                                  lower=lower, upper=upper, iters=iters)
+                                  lower=lower, upper=upper, iters=iters, key_bias=b_h)
         if config.refine_steps:  # keys stay at their slots: only beta and C_v move
             _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
-                                          active=active, steps=config.refine_steps)
+                                          active=active, steps=config.refine_steps, key_bias=b_h)
         return selected.astype(jnp.int32), active, beta, c_v
 
     if size == 0:
@@ -267,7 +276,7 @@ def _fit(q, valid, k, v, reread: scoring.RereadInputs, rank, counts, size: int, 
         return (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(shape + (H,), jnp.float32))
     rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
-    fitted = jax.lax.map(fit_one, (heads(q), heads(query_valid), heads(k), heads(v), heads(key_valid),
+    fitted = jax.lax.map(fit_one, (heads(q), heads(query_valid), heads(k), heads(v), heads(bias), heads(key_valid),
                                    counts.reshape(-1), rank_heads), batch_size=config.fit_batch)
     return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
@@ -323,19 +332,19 @@ def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.La
     selector, its per-chunk KVzip scores [B, K, m] -> fitted arrays with a leading layer axis of 1."""
     q, valid = stack_rows([((c,), v) for c, v in zip(captured, valid)], cfg.group_size)
     q = q[0][None]  # [1, B, K, R, H]
-    k, v = _context([layer], reread)
+    k, v, bias = _context([layer], reread)
     rank = None
     if config.selector == "kvzip":
         rank = scoring.in_context_scores(jnp.concatenate(scored, axis=-1)[None], reread.context_len)
     elif config.selector == "hak":
-        rank = _attention_scores(q, valid, k, reread, cfg, config)
-    return _fit(q, valid, k, v, reread, rank, counts[None], size, cfg, config)
+        rank = _attention_scores(q, valid, k, bias, reread, cfg, config)
+    return _fit(q, valid, k, v, bias, reread, rank, counts[None], size, cfg, config)
 
 
 @jax.jit
 def _compacted_layer(layer: kv.LayerCache, prefix_len, context_len, selected, active, beta, c_v) -> kv.LayerCache:
     """The layer with its context slots masked but for the selected ones [B, K, S], which take the fitted values
-    c_v [B, K, S, H] and the bias beta [B, K, S]."""
+    c_v [B, K, S, H] and the bias beta [B, K, S] (other slots keep the bias they had, if any)."""
     B, K, C, _ = layer.k.shape
     slots = jnp.arange(C, dtype=jnp.int32)  # [C]
     in_context = (slots >= prefix_len[:, None]) & (slots < (prefix_len + context_len)[:, None])  # [B, C]
@@ -343,5 +352,6 @@ def _compacted_layer(layer: kv.LayerCache, prefix_len, context_len, selected, ac
     batch, head = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
     keep = jnp.broadcast_to(~in_context[:, None, :], (B, K, C)).at[batch, head, target].set(True, mode="drop")
     values = layer.v.at[batch, head, target].set(c_v.astype(layer.v.dtype), mode="drop")
-    bias = jnp.zeros((B, K, C), jnp.float32).at[batch, head, target].set(beta, mode="drop")
+    bias = jnp.zeros((B, K, C), jnp.float32) if layer.bias is None else layer.bias
+    bias = bias.at[batch, head, target].set(beta, mode="drop")
     return dataclasses.replace(layer, v=values, keep=keep, bias=bias)

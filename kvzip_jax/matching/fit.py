@@ -26,10 +26,13 @@ RIDGE = 1e-6  # relative ridge of the normal equations (x mean diagonal): keeps 
 
 
 def logits(q: jax.Array, k: jax.Array, scale: float, key_valid: jax.Array | None = None,
-           query_valid: jax.Array | None = None) -> jax.Array:
-    """[N, T] float32 scaled logits s q.k, MASK_VALUE where key_valid [T] or query_valid [N] is False (a row of a
-    padding query sees no key, so it carries no weight in any fit)."""
+           query_valid: jax.Array | None = None, key_bias: jax.Array | None = None) -> jax.Array:
+    """[N, T] float32 scaled logits s q.k (+ key_bias [T], the bias a block compacted before carries), MASK_VALUE
+    where key_valid [T] or query_valid [N] is False (a row of a padding query sees no key, so it carries no weight in
+    any fit)."""
     z = jnp.einsum("NH,TH->NT", q.astype(jnp.float32), k.astype(jnp.float32), precision=HIGHEST) * scale
+    if key_bias is not None:
+        z = z + key_bias.astype(jnp.float32)[None, :]
     if key_valid is not None:
         z = jnp.where(key_valid[None, :], z, MASK_VALUE)
     return z if query_valid is None else jnp.where(query_valid[:, None], z, MASK_VALUE)
@@ -84,7 +87,7 @@ def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int)
 def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scale: float,
              key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
              active: jax.Array | None = None, lower: float = float(jnp.exp(-3.0)), upper: float = float(jnp.exp(3.0)),
-             iters: int = 2, value_ridge: float = RIDGE):
+             iters: int = 2, value_ridge: float = RIDGE, key_bias: jax.Array | None = None):
     """The compacted block of one KV head: (C_k [S, H], beta [S], C_v [S, H]), float32.
 
     q [N, H] reference queries (query_valid [N] bool: padding rows carry no weight); k, v [T, H]; selected [S] int
@@ -92,13 +95,14 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
     the active selected keys take part (a budget below the static S; the others come back as zeros with beta =
     log(lower), to be dropped). beta = log w with w from nnls_box over the mass features (box [lower, upper]; the
     defaults are the paper's HAK setting e^-3..e^3 with 2 gradient steps); C_v is the least-squares fit of the
-    block's outputs from the compacted attention weights.
+    block's outputs from the compacted attention weights. key_bias [T]: the block's own per-key bias (a block
+    compacted before, compacted again); the returned beta then includes it (beta = key_bias[S] + log w).
     """
     if selected.shape[0] == 0:  # a head whose budget is 0 keeps nothing
         return jnp.zeros((0, k.shape[1]), jnp.float32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, v.shape[1]),
                                                                                             jnp.float32)
     active = jnp.ones(selected.shape, bool) if active is None else active
-    z = logits(q, k, scale, key_valid, query_valid)  # [N, T]
+    z = logits(q, k, scale, key_valid, query_valid, key_bias)  # [N, T]
     phi, mass, seen = mass_features(z)
     w = nnls_box(jnp.where(active[None, :], phi[:, selected], 0.0), mass, lower, upper, iters)  # [S]
     beta = jnp.log(w)
@@ -108,6 +112,8 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
     weights = jnp.where(seen[:, None] & active[None, :], jax.nn.softmax(compact_z, axis=1), 0.0)  # [N, S]
     kept_v = jnp.where(active[:, None], v[selected].astype(jnp.float32), 0.0)  # [S, H]
     c_v = _solve_normal(weights, target, value_ridge, kept_v)  # [S, H]; shrunk towards the kept values
+    if key_bias is not None:
+        beta = beta + key_bias[selected].astype(jnp.float32)
     return k[selected].astype(jnp.float32), beta, c_v
 
 

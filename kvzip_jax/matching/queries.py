@@ -156,11 +156,14 @@ def _context_chunk(reread: scoring.RereadInputs, t: int) -> jax.Array:
 def reference_queries(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
                       sources: tuple[str, ...] = ("repeat",), cap: int = 8192, with_scores: bool = False,
                       probes: Probes | None = None) -> ReferenceQueries:
-    """The reference queries of a cache holding [prefix | context] per row (scoring.check_context_cache), at most
-    `cap` rows per KV head and layer, split evenly over the sources and their passes. with_scores: KVzip's scores
-    [L, B, K, n] from the repeat pass (needs "repeat"). The cache is left unchanged."""
+    """The reference queries of a cache, at most `cap` rows per KV head and layer, split evenly over the sources and
+    their passes. with_scores: KVzip's scores [L, B, K, n] from the repeat pass (needs "repeat"). The repeat and
+    context sources read the cache as [prefix | context] per row (scoring.check_context_cache); self-study probes go
+    on top of whatever it holds (online compaction: [prefix | segment | recent tokens]). The cache is left unchanged.
+    """
     passes = reference_passes(cfg, cache, reread, sources, cap, probes, with_scores)
-    scoring.check_context_cache(cache, reread.prefix_len, reread.context_len)
+    if {"repeat", "context"} & set(sources):
+        scoring.check_context_cache(cache, reread.prefix_len, reread.context_len)
     captured, per_chunk = [], []
     for p in passes:
         _, _, aux = forward(params, p.tokens, p.positions, cache if p.before is None else p.before, cfg,

@@ -23,10 +23,11 @@ from kvzip_jax.models.attention import MASK_VALUE
 
 
 def matching_loss(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, query_valid=None, active=None,
-                  mass_weight: float = 1.0) -> jax.Array:
+                  mass_weight: float = 1.0, key_bias=None) -> jax.Array:
     """[] relative output error + mass_weight x mean squared lse error of the compacted head (c_k, beta, c_v [S])
-    against the block (k, v [T]) for queries q [N] (query_valid [N]: others weigh nothing; active [S]: kept keys)."""
-    z = logits(q, k, scale, key_valid)  # [N, T]
+    against the block (k, v [T], with its own bias key_bias [T] if any) for queries q [N] (query_valid [N]: others
+    weigh nothing; active [S]: kept keys)."""
+    z = logits(q, k, scale, key_valid, key_bias=key_bias)  # [N, T]
     lse = jax.nn.logsumexp(z, axis=1)  # [N]
     out = jnp.einsum("NT,TH->NH", jnp.exp(z - lse[:, None]), v.astype(jnp.float32), precision=HIGHEST)
     zc = jnp.einsum("NH,SH->NS", q.astype(jnp.float32), c_k, precision=HIGHEST) * scale + beta[None, :]
@@ -44,12 +45,12 @@ def matching_loss(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, query_v
 
 
 def refine_head(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, *, query_valid=None, active=None,
-                steps: int = 300, learning_rate: float = 1e-2, train_keys: bool = False):
+                steps: int = 300, learning_rate: float = 1e-2, train_keys: bool = False, key_bias=None):
     """(c_k, beta, c_v, losses [steps + 1]) after `steps` Adam steps on matching_loss from the given start. Inactive
-    kept slots (active False) stay as they were."""
+    kept slots (active False) stay as they were. key_bias [T]: the block's own bias, as in matching_loss."""
     trainable = {"beta": beta, "c_v": c_v} | ({"c_k": c_k} if train_keys else {})
     loss_of = lambda p: matching_loss(q, k, v, p.get("c_k", c_k), p["beta"], p["c_v"], scale, key_valid,
-                                      query_valid, active)
+                                      query_valid, active, key_bias=key_bias)
     optimizer = optax.adam(learning_rate)
 
     def step(state, _):

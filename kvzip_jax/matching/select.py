@@ -15,13 +15,14 @@ OMP_UPPER = float(jnp.exp(7.0))  # the reference code's box for OMP weights: bet
 
 
 def attention_key_scores(q: jax.Array, k: jax.Array, scale: float, aggregate: str = "rms",
-                         key_valid: jax.Array | None = None, query_valid: jax.Array | None = None) -> jax.Array:
-    """[T] float32: each key's attention over the reference queries q [N, H] (row softmax over keys k [T, H]),
-    aggregated over the valid queries (query_valid [N], default all) by root mean square (the paper's choice), max
-    or mean; invalid keys score -inf."""
+                         key_valid: jax.Array | None = None, query_valid: jax.Array | None = None,
+                         key_bias: jax.Array | None = None) -> jax.Array:
+    """[T] float32: each key's attention over the reference queries q [N, H] (row softmax over keys k [T, H], with
+    their bias key_bias [T] if any), aggregated over the valid queries (query_valid [N], default all) by root mean
+    square (the paper's choice), max or mean; invalid keys score -inf."""
     if aggregate not in AGGREGATIONS:
         raise ValueError(f"aggregate must be one of {AGGREGATIONS}, got {aggregate!r}")
-    weights = jax.nn.softmax(logits(q, k, scale, key_valid), axis=1)  # [N, T]
+    weights = jax.nn.softmax(logits(q, k, scale, key_valid, key_bias=key_bias), axis=1)  # [N, T]
     rows = jnp.ones((q.shape[0],), bool) if query_valid is None else query_valid
     weights = jnp.where(rows[:, None], weights, 0.0)
     count = jnp.maximum(rows.sum(), 1)
@@ -46,7 +47,8 @@ def highest_attention_keys(q: jax.Array, k: jax.Array, scale: float, count: int,
 
 def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count: int,
                                 key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
-                                limit: jax.Array | None = None, per_step: int = 1, refit_every: int = 1) -> jax.Array:
+                                limit: jax.Array | None = None, per_step: int = 1, refit_every: int = 1,
+                                key_bias: jax.Array | None = None) -> jax.Array:
     """[count] int32 key indices in the order Orthogonal Matching Pursuit chose them (the paper's Algorithm 1): each
     step adds the key(s) whose mass features correlate most with the residual mass, then refits the weights of all
     chosen keys by least squares clamped to [1e-12, e^7]. count is static, at most the number of valid keys.
@@ -55,7 +57,7 @@ def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count:
     below the static count; the greedy order does not depend on where it stops). per_step k and refit_every tau:
     the fast variant (AM-OMP-fast: k = 4, tau = 2) adds k keys per step and refits every tau steps; between refits
     new keys get the lower bound 1e-12. Cost: count / k steps of an [N, T] correlation, a [count, count] solve every
-    tau steps.
+    tau steps. key_bias [T]: the keys' own bias (a block compacted before), part of their mass features.
     """
     if not 0 <= count <= k.shape[0]:
         raise ValueError(f"count must be in [0, {k.shape[0]}], got {count}")
@@ -63,7 +65,7 @@ def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count:
         raise ValueError(f"per_step and refit_every must be >= 1, got {per_step}, {refit_every}")
     if count == 0:
         return jnp.zeros((0,), jnp.int32)
-    phi, mass, _ = mass_features(logits(q, k, scale, key_valid, query_valid))  # [N, T], [N]
+    phi, mass, _ = mass_features(logits(q, k, scale, key_valid, query_valid, key_bias))  # [N, T], [N]
     T = k.shape[0]
     allowed = jnp.ones((T,), bool) if key_valid is None else key_valid
     limit = jnp.asarray(count if limit is None else limit, jnp.int32)

@@ -14,7 +14,6 @@ copy).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -46,7 +45,8 @@ def probes(params, cfg: ModelConfig, tokenizer, cache: kv.KVCache, prompts: Sequ
     rows = []  # per prompt, per batch row: int32 token ids
     for p, text in enumerate(prompts):
         suffix = question_suffix(tokenizer, text)
-        work = _with_room(cache, len(suffix) + max_new_tokens)  # a copy: prefill and decode donate their cache
+        need = len(suffix) + max_new_tokens
+        work = kv.grown(cache, max(need - int(cache.room().min()), 0))  # a copy: prefill and decode donate it
         logits, work = gen.prefill(params, cfg, [suffix] * B, work)
         answers, _ = gen.decode(params, cfg, logits, work, max_new_tokens, stop_tokens=stops,
                                 sampling=gen.Sampling.make(temperature, seed=seed + p))
@@ -59,18 +59,3 @@ def probes(params, cfg: ModelConfig, tokenizer, cache: kv.KVCache, prompts: Sequ
             tokens[p, b, :len(r)], num_valid[p, b] = r, len(r)
     return Probes(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid))
 
-
-def _with_room(cache: kv.KVCache, need: int) -> kv.KVCache:
-    """A copy of a dense cache with at least `need` free slots per row (its slot axis padded)."""
-    short = max(need - int(cache.room().min()), 0)
-
-    def grown(layer: kv.LayerCache) -> kv.LayerCache:
-        if not isinstance(layer, kv.LayerCache):
-            raise TypeError("self-study probes run on a dense context cache, not a ragged one")
-        pad = lambda x, value=0: None if x is None else jnp.pad(x, [(0, 0), (0, 0), (0, short)] + [(0, 0)] * (
-            x.ndim - 3), constant_values=value)
-        return dataclasses.replace(layer, k=pad(layer.k), v=pad(layer.v), keep=pad(layer.keep, True),
-                                   bias=pad(layer.bias), lengths=jnp.copy(layer.lengths))
-
-    return dataclasses.replace(cache, layers=tuple(grown(layer) for layer in cache.layers),
-                               next_position=jnp.copy(cache.next_position))

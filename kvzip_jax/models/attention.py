@@ -77,12 +77,15 @@ class AttentionView:
 Observer = Callable[[AttentionView], Any]
 
 
-def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float):
-    """Softmax attention of q [B, T, K, G, H] over k, v [B, K, S, H] with mask [B, K, T, S].
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, key_bias=None):
+    """Softmax attention of q [B, T, K, G, H] over k, v [B, K, S, H] with mask [B, K, T, S] (and a logit added per
+    key, key_bias [B, K, S], or None).
 
     Returns (out [B, T, K, G, H], logits, probs [B, K, G, T, S] float32); masked logits are MASK_VALUE.
     """
     logits = jnp.einsum("BTKGH,BKSH->BKGTS", q, k, preferred_element_type=jnp.float32) * scale
+    if key_bias is not None:
+        logits = logits + key_bias[:, :, None, None, :]
     logits = jnp.where(mask[:, :, None], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)  # [B, K, G, T, S]
     out = jnp.einsum("BKGTS,BKSH->BTKGH", probs.astype(v.dtype), v)

@@ -100,16 +100,15 @@ class Block(nn.Module):
         filled = layer_cache.lengths
         if isinstance(layer_cache, kv.RaggedLayerCache):
             raise ValueError("observers read dense caches; a ragged cache cannot be observed")
-        if layer_cache.bias is not None:
-            raise ValueError("observers read plain caches; a compacted cache (with a bias) cannot be observed")
         subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
         out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
                                                            query_slots, window, cfg.query_scale, layer_cache.keep,
-                                                           subset=subset)
+                                                           subset=subset, key_bias=layer_cache.bias)
         # Dense weights for the observer; XLA drops them if it never reads them.
         keys, values, key_slots, mask = attention.dense_keys(layer_cache.k, layer_cache.v, k_new, v_new, filled,
                                                              query_slots, window, layer_cache.keep)
-        _, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale)
+        bias = None if layer_cache.bias is None else jnp.pad(layer_cache.bias, [(0, 0), (0, 0), (0, k_new.shape[2])])
+        _, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale, bias)  # new keys: 0
         observed = self.observer(attention.AttentionView(
             layer=self.index, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, k_new=k_new, v_new=v_new,
             key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
