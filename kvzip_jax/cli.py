@@ -6,10 +6,17 @@
       once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
   kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|am-omp|kvzip-am|...]
                      [--level pair|pair-uniform|layer|head] [--question Q ...] [--questions FILE]
-                     [--max-new-tokens N] [--chunk-size M]
+                     [--max-new-tokens N] [--chunk-size M] [--save DIR]
       prefill the context once, compress its cache with KVzip (--level: KVzip only) or compact it by Attention
       Matching (am-*, kvzip-am; ratio = fraction of context pairs kept), then answer each question from the
-      compressed cache; with no questions given, reads them from stdin, one per line
+      compressed cache; with no questions given, reads them from stdin, one per line. --save DIR: keep the
+      compressed cache (kvzip_jax.cache_io: orbax arrays + a checked manifest, written atomically; no questions
+      given: save only)
+  kvzip-jax ask --cache DIR [--question Q ...] [--questions FILE] [--model NAME_OR_PATH]
+      answer from a saved cache in a new process: no prefill, no scoring (the model is the one that made it, checked)
+  kvzip-jax chat --model NAME_OR_PATH --context FILE --ratio R [--method M] [--room N] | --cache DIR
+      a terminal chat over a compressed document: answers streamed, earlier turns kept after the compressed context
+      (never evicted), /bytes, /reset, Ctrl-D exits
   kvzip-jax eval --model NAME_OR_PATH [--methods kvzip,snapkv,...] [--ratios 1,0.9,...] [--tasks niah,...]
                  [--jsonl FILE ...] [--contexts N] [--context-tokens N] [--modes reuse,first,oracle] [--out DIR]
                  [--instruction kvzip|none|TEXT]
@@ -189,8 +196,8 @@ def _compress(args: argparse.Namespace) -> int:
     from kvzip_jax.kvzip.budget import check_ratio
     from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
 
-    if args.max_new_tokens < 1 or args.chunk_size < 1:
-        args.subparser.error("--max-new-tokens and --chunk-size must be >= 1")
+    if args.max_new_tokens < 1 or args.chunk_size < 1 or (args.room is not None and args.room < 1):
+        args.subparser.error("--max-new-tokens, --chunk-size and --room must be >= 1")
     if args.method != "kvzip":  # Attention Matching: KVzip's eviction choices do not apply
         given = [flag for flag, on in (("--level", args.level is not None), ("--sink", args.sink),
                                        ("--recent", args.recent)) if on]
@@ -230,6 +237,9 @@ def _compress(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     masked, how = _evict(args, model, cache, context, head_scores)
     room = (max(map(len, suffixes)) if suffixes else INTERACTIVE_QUESTION_ROOM) + args.max_new_tokens
+    if args.save:  # questions asked later: room for any question of the interactive size
+        room = max(room, INTERACTIVE_QUESTION_ROOM + args.max_new_tokens)
+    room = args.room or room
     compressed = kv.pack(masked, room)
     jax.block_until_ready(compressed)
     what = f"KVzip {args.level} level" if args.method == "kvzip" else f"Attention Matching {args.method}"
@@ -238,6 +248,10 @@ def _compress(args: argparse.Namespace) -> int:
     print(f"KV cache bytes: full {_bytes(cache)}")
     print(f"KV cache bytes: compressed {_bytes(compressed)} (ragged, room for {room} more tokens)")
     del cache, masked
+    if args.save:
+        _save(args, model, compressed, context)
+        if questions is None:  # saved for later: no questions read now
+            return 0
 
     if questions is None:
         print("questions from stdin, one per line (end with EOF):", flush=True)
@@ -252,6 +266,184 @@ def _compress(args: argparse.Namespace) -> int:
                 raise
             print(f"kvzip-jax compress: error: {e}", file=sys.stderr)
     return 0
+
+
+def _save(args: argparse.Namespace, model, compressed, context) -> None:
+    """Writes the compressed cache to --save with what `ask --cache` needs (model, how it was made, the context)."""
+    from kvzip_jax import cache as kv
+    from kvzip_jax import cache_io
+
+    ids = context.ids()
+    meta = {"model_source": str(args.model), "method": args.method, "level": args.level, "ratio": args.ratio,
+            "instruction": args.instruction, "max_new_tokens": args.max_new_tokens,
+            "prefix": {"tokens": context.context_start, "sha256": cache_io.token_hash(ids[:context.context_start])},
+            "context": {"tokens": len(ids) - context.context_start, "sha256": cache_io.token_hash(
+                ids[context.context_start:]), "file": str(Path(args.context).absolute())}}
+    start = time.perf_counter()
+    path = cache_io.save(args.save, compressed, model, meta, overwrite=args.overwrite)
+    on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"saved to {path}/ in {time.perf_counter() - start:.1f} s: {on_disk:,} bytes on disk, "
+          f"{kv.nbytes(compressed):,} bytes in memory ({kv.used_bytes(compressed):,} filled)")
+
+
+def _ask(args: argparse.Namespace) -> int:
+    from kvzip_jax import cache_io
+
+    if args.max_new_tokens < 1:
+        args.subparser.error("--max-new-tokens must be >= 1")
+    manifest = cache_io.read_manifest(args.cache)
+    meta = manifest.get("meta", {})
+    args.model = args.model or meta.get("model_source")
+    if not args.model:
+        args.subparser.error(f"{args.cache} does not say which model made it; give --model")
+    args.dtype = args.dtype or manifest["dtype"]
+    questions = _questions(args)
+    start = time.perf_counter()
+    model = _load(args)
+    cache, _ = cache_io.load(args.cache, model)
+    what = f"{meta.get('method', '?')} at ratio {meta.get('ratio', '?')}" if meta else "a saved cache"
+    context = meta.get("context", {}).get("tokens", "?")
+    print(f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "
+          f"{time.perf_counter() - start:.1f} s, no prefill or scoring; KV cache bytes: {_bytes(cache)}")
+    if questions is None:
+        print("questions from stdin, one per line (end with EOF):", flush=True)
+        questions = [q for q in map(str.strip, sys.stdin) if q]
+    for question in questions:
+        try:
+            cache = _answer(model, cache, question, None, args.max_new_tokens)
+        except KvzipError as e:  # a question too long for the room the cache was saved with
+            print(f"kvzip-jax ask: error: {e}", file=sys.stderr)
+    return 0
+
+
+def _add_ask(subparsers) -> None:
+    parser = subparsers.add_parser("ask", help="answer questions from a cache saved by `compress --save` (no "
+                                   "prefill, no scoring)")
+    parser.add_argument("--cache", required=True, metavar="DIR", help="a folder written by compress --save")
+    parser.add_argument("--model", help="bundled model name or a model path (default: the one that made the cache)")
+    parser.add_argument("--question", action="append", metavar="Q", help="a question (repeatable)")
+    parser.add_argument("--questions", metavar="FILE", help='JSON list of strings or of {"question", "answer"}')
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--dtype", choices=dtypes.CHOICES, help="default: the dtype the cache was saved in")
+    parser.add_argument("--attention-impl", choices=IMPLS, default="auto",
+                        help="decode attention (auto: Pallas on CUDA GPUs, else XLA)")
+    parser.set_defaults(handler=_ask, subparser=parser)
+
+
+CHAT_HELP = "commands: /bytes (cache bytes), /reset (forget the conversation, keep the document), /help; Ctrl-D exits"
+STREAM_STEP = 4  # tokens decoded between two prints of a streamed answer
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import jax
+
+    from kvzip_jax import cache as kv
+    from kvzip_jax import cache_io, prompts
+    from kvzip_jax import generate as gen
+
+    if (args.context is None) == (args.cache is None):
+        args.subparser.error("give --context FILE (compressed now) or --cache DIR (saved by compress --save)")
+    if args.max_new_tokens < 1 or args.room < 1:
+        args.subparser.error("--max-new-tokens and --room must be >= 1")
+    if args.cache is not None:
+        manifest = cache_io.read_manifest(args.cache)
+        args.model = args.model or manifest.get("meta", {}).get("model_source")
+        if not args.model:
+            args.subparser.error(f"{args.cache} does not say which model made it; give --model")
+        args.dtype = args.dtype or manifest["dtype"]
+        model = _load(args)
+        cache, _ = cache_io.load(args.cache, model)
+        print(f"loaded the cache of {args.cache}: no prefill, no scoring")
+    else:
+        if args.ratio is None:
+            args.subparser.error("--context needs --ratio")
+        document = _read_text(args.context, "context")
+        if not document.strip():
+            raise EmptyInputError(f"the context file {args.context} is empty")
+        args.dtype = args.dtype or "auto"
+        model = _load(args)
+        context, _ = prompts.split_for_reuse(model.tokenizer, document, [])
+        _, full = gen.prefill(model.params, model.cfg, [context.ids()])
+        args.level, args.chunk_size, args.self_study = "pair", 512, False
+        masked, how = _evict(args, model, full, context, None)
+        cache = kv.pack(masked, args.room)
+        jax.block_until_ready(cache)
+        print(f"{len(context)} tokens prefilled; {args.method} at ratio {args.ratio}: {how}")
+    print(f"KV cache bytes: {_bytes(cache)}\n{CHAT_HELP}", flush=True)
+    stops = prompts.stop_token_ids(model.tokenizer)
+    start, turns = kv.mark(cache), 0
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print("\nbye")
+            return 0
+        if not line:
+            continue
+        if line in ("/bye", "/exit", "/quit"):
+            print("bye")
+            return 0
+        if line == "/bytes":
+            print(f"KV cache bytes: {_bytes(cache)}; {int(cache.next_position[0]) - int(start.next_position[0])} "
+                  "tokens of conversation after the document", flush=True)
+            continue
+        if line == "/reset":
+            cache, turns = kv.rewind(cache, start), 0
+            print("conversation reset; the compressed document stays", flush=True)
+            continue
+        if line.startswith("/"):
+            print(CHAT_HELP, flush=True)
+            continue
+        ids = prompts.question_suffix(model.tokenizer, line) if turns == 0 else prompts.follow_up(model.tokenizer,
+                                                                                                 line)
+        before = kv.mark(cache)
+        try:
+            cache = _stream_answer(model, cache, ids, args.max_new_tokens, stops)
+            turns += 1
+        except KvzipError as e:  # the turn does not fit the room left
+            cache = kv.rewind(cache, before)
+            print(f"kvzip-jax chat: error: {e}; /reset to start the conversation again", file=sys.stderr, flush=True)
+
+
+def _stream_answer(model, cache, ids, max_new_tokens: int, stops):
+    """Appends a turn's ids, decodes the answer STREAM_STEP tokens at a time, printing the text as it grows; the
+    turn and the answer stay in the cache (multi-turn). Returns the cache."""
+    from kvzip_jax import generate as gen
+
+    logits, cache = gen.prefill(model.params, model.cfg, [ids], cache)
+    answer, printed = [], ""
+    while len(answer) < max_new_tokens:
+        new, cache, logits = gen.decode(model.params, model.cfg, logits, cache,
+                                        min(STREAM_STEP, max_new_tokens - len(answer)), stop_tokens=stops,
+                                        return_logits=True)
+        answer += new[0]
+        text = model.tokenizer.decode([t for t in answer if t not in stops])
+        print(text[len(printed):], end="", flush=True)
+        printed = text
+        if not new[0] or new[0][-1] in stops or int(cache.room()[0]) <= 0:
+            break
+    print(flush=True)
+    return cache
+
+
+def _add_chat(subparsers) -> None:
+    from kvzip_jax.matching import METHODS
+
+    parser = subparsers.add_parser("chat", help="talk to a compressed document in the terminal (multi-turn, "
+                                   "streamed)")
+    parser.add_argument("--model", help="bundled model name or a model path (with --cache: default the one that "
+                        "made it)")
+    parser.add_argument("--context", metavar="FILE", help="the document, compressed once at start")
+    parser.add_argument("--cache", metavar="DIR", help="a cache saved by compress --save (no prefill, no scoring)")
+    parser.add_argument("--ratio", type=float, help="with --context: fraction of context KV pairs kept")
+    parser.add_argument("--method", choices=("kvzip", *METHODS), default="kvzip")
+    parser.add_argument("--room", type=int, default=1024, help="with --context: tokens of conversation the "
+                        "compressed cache has room for")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dtype", choices=dtypes.CHOICES, help="default: auto, or the dtype of a saved cache")
+    parser.add_argument("--attention-impl", choices=IMPLS, default="auto",
+                        help="decode attention (auto: Pallas on CUDA GPUs, else XLA)")
+    parser.set_defaults(handler=_chat, subparser=parser)
 
 
 def _evict(args: argparse.Namespace, model, cache, context, head_scores):
@@ -346,6 +538,12 @@ def _add_compress(subparsers) -> None:
                         "keeps (on top of the ratio)")
     parser.add_argument("--recent", type=int, default=0, help="--level head: last context tokens every dropped "
                         "head keeps (on top of the ratio)")
+    parser.add_argument("--save", metavar="DIR", help="write the compressed cache to DIR (atomically, with a "
+                        "manifest); answer from it later with: kvzip-jax ask --cache DIR")
+    parser.add_argument("--overwrite", action="store_true", help="--save: replace an existing DIR")
+    parser.add_argument("--room", type=int, help="tokens of room after the compressed context (questions, answers, "
+                        "a chat over a saved cache; default: the longest question + --max-new-tokens, at least "
+                        f"{INTERACTIVE_QUESTION_ROOM} + --max-new-tokens when questions come later)")
     _add_runtime(parser)
     parser.set_defaults(handler=_compress, subparser=parser)
 
@@ -436,6 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(subparsers)
     _add_head_scores(subparsers)
     _add_compress(subparsers)
+    _add_ask(subparsers)
+    _add_chat(subparsers)
     _add_eval(subparsers)
     return parser
 

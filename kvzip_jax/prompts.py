@@ -158,6 +158,28 @@ def question_suffix(tokenizer: PreTrainedTokenizerBase, question: str, system: s
     return _checked_concatenation(tokenizer, segments, question_text + answer_header)
 
 
+def follow_up(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None) -> np.ndarray:
+    """[end of the assistant turn | next user turn: question | answer header] ids, int32 [T], to append after an
+    answer (its stop token emitted, not fed) so that a conversation goes on: the chat template rendered around
+    markers for an earlier answer and the next message, as chat_layout does for one turn."""
+    question = _stripped(question, "question")
+    if tokenizer.chat_template is None:
+        between, header = QUESTION_SEPARATOR, PLAIN_ANSWER_HEADER
+    else:
+        answer_marker, next_marker = _USER_MESSAGE_MARKER + "answer", _USER_MESSAGE_MARKER + "next"
+        system_turn = [] if system is None else [{"role": "system", "content": system}]
+        messages = system_turn + [{"role": "user", "content": "context"},
+                                  {"role": "assistant", "content": answer_marker},
+                                  {"role": "user", "content": next_marker}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if rendered.count(answer_marker) != 1 or rendered.count(next_marker) != 1:
+            raise KvzipError("the chat template does not place each turn exactly once; cannot find the layout")
+        between, header = rendered.split(answer_marker)[1].split(next_marker)
+    segments = (_encode(tokenizer, between, parse_special_tokens=True), encode_text(tokenizer, question),
+                _encode(tokenizer, header, parse_special_tokens=True))
+    return _checked_concatenation(tokenizer, segments, between + question + header)
+
+
 def split_for_reuse(
     tokenizer: PreTrainedTokenizerBase, context: str, questions: Sequence[str], system: str | None = None,
     instruction: str | None = None,

@@ -26,8 +26,7 @@ def model():
 
 def test_generation_runs_past_the_physical_cache(model):
     cfg, params, prompt = model
-    tokens, cache, compactions = online.generate(params, cfg, prompt, 200, capacity=64, protect=8, keep_prefix=4,
-                                                 window=32)
+    tokens, cache, compactions = online.generate(params, cfg, prompt, 200, capacity=64, protect=8, keep_prefix=4)
     assert len(tokens) == 200 and compactions >= 3  # 220 tokens through 64 slots
     assert cache.capacity == 64 and int(cache.next_position[0]) == 220
     lengths = np.asarray(cache.lengths())
@@ -35,7 +34,7 @@ def test_generation_runs_past_the_physical_cache(model):
     for layer in cache.layers:
         assert layer.keep is None and np.isfinite(np.asarray(layer.bias)).all()
         np.testing.assert_array_equal(np.asarray(layer.bias)[..., :4], 0.0)  # the kept prefix is never compacted
-    again, _, _ = online.generate(params, cfg, prompt, 200, capacity=64, protect=8, keep_prefix=4, window=32)
+    again, _, _ = online.generate(params, cfg, prompt, 200, capacity=64, protect=8, keep_prefix=4)
     assert again == tokens  # greedy and deterministic
 
 

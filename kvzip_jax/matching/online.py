@@ -8,8 +8,10 @@ slots. Logical positions keep counting (keys keep their RoPE) and the capacity n
 the compaction step compile once. Keys compacted before are compacted again (their bias enters the next fit), as in
 the paper, which compacts all but the last 20 tokens by half.
 
-Reference queries: the last `window` tokens, teacher-forced on top of the full cache (the self-study source with the
-recent text as its one probe): what the model asks while it writes stands for what it will ask next. There is no
+Reference queries: the last `window` tokens (default: as many as the cache holds), teacher-forced on top of the full
+cache (the self-study source with the recent text as its one probe): what the model asks while it writes stands for
+what it will ask next. A window of the capacity did better than half of it and than 128 tokens in
+bench/online_compaction.py (fewer reference rows than kept keys over-fit the values). There is no
 reread (the repeat source needs a segment's tokens, and compacted keys have none), so the selector is HAK or OMP,
 not KVzip's scores; budgets are uniform, so every head's segment ends at the same slot for the next compaction.
 
@@ -38,15 +40,17 @@ from kvzip_jax.matching.queries import Probes, reference_queries
 
 
 def generate(params, cfg: ModelConfig, prompt, max_new_tokens: int, *, capacity: int, ratio: float = 0.5,
-             protect: int = 20, keep_prefix: int = 0, window: int = 128, selector: str = "hak",
+             protect: int = 20, keep_prefix: int = 0, window: int | None = None, selector: str = "hak",
              stop_tokens: Sequence[int] = (), sampling: gen.Sampling | None = None, query_cap: int = 4096):
     """Generates up to max_new_tokens after prompt [T] in a cache of `capacity` slots per head, compacting it
     whenever it is full. Returns (tokens, cache, compactions): the generated ids (a stop token ends them and is kept),
-    the final cache (capacity slots, next_position = T + tokens fed) and how many compactions ran."""
+    the final cache (capacity slots, next_position = T + tokens fed) and how many compactions ran. window: reference
+    tokens per compaction (default: capacity; a compaction briefly holds a copy of the cache with that much room)."""
     if any(kind != FULL for kind in cfg.layer_types):
         raise UnsupportedArchitectureError("online compaction needs every layer compactable: sliding-window layers "
                                            "never free a slot")
     prompt = np.asarray(prompt, np.int32).reshape(-1)
+    window = capacity if window is None else window
     if selector not in ("hak", "omp"):
         raise ValueError(f"online compaction selects by HAK or OMP (no reread, so no KVzip scores), got {selector!r}")
     if not 0 < ratio < 1:

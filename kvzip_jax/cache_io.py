@@ -1,0 +1,212 @@
+"""Saved caches: a (compressed) cache written once, loaded in another process with no prefill and no scoring.
+
+    cache_io.save("doc.kv", cache, model, meta={"method": "kvzip", "ratio": 0.3, ...})
+    cache, manifest = cache_io.load("doc.kv", model)      # raises a named CacheFileError subclass on any mismatch
+
+On disk (written into a temporary sibling folder renamed into place only when complete, so a killed save leaves
+nothing that loads):
+
+  <dir>/arrays/         orbax (StandardCheckpointer) tree of the cache: per layer k, v, lengths and, where the layer
+                        has them, keep (masked), bias (compacted), offsets (ragged); next_position
+  <dir>/manifest.json   written last: format and layout version, package version, the model's identity (config hash,
+                        parameter fingerprint, name and where it was loaded from), the tokenizer's hash, the dtype,
+                        each layer's kind and shapes, a sha256 per array (orbax keeps no checksum), and the caller's
+                        meta (method, level, ratio, prefix and context token hashes and lengths)
+
+`load` checks, in order: a manifest exists (CacheCorruptError: not a saved cache, or a save that never finished),
+its format and layout version (CacheFormatError: a newer layout), the model, tokenizer and dtype given
+(CacheMismatchError), then the arrays against their shapes and checksums (CacheCorruptError).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from kvzip_jax import cache as kv
+from kvzip_jax import dtypes
+from kvzip_jax.errors import KvzipError
+from kvzip_jax.weights.checkpoint import atomic_dir
+from kvzip_jax.weights.identity import model_identity
+
+FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 1
+ARRAYS, MANIFEST = "arrays", "manifest.json"
+DENSE, RAGGED = "dense", "ragged"
+
+
+class CacheFileError(KvzipError):
+    """A saved cache cannot be used: the base class of the errors below."""
+
+
+class CacheCorruptError(CacheFileError):
+    """Not a saved cache, a save that never finished, or arrays that are truncated or do not match their checksums."""
+
+
+class CacheFormatError(CacheFileError):
+    """A saved cache of another format, or of a layout newer than this kvzip-jax reads."""
+
+
+class CacheMismatchError(CacheFileError):
+    """A saved cache made with another model, tokenizer or dtype than the one given."""
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """16 hex digits of the tokenizer's vocabulary, special tokens and chat template."""
+    record = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_ids)),
+              "template": getattr(tokenizer, "chat_template", None) or ""}
+    return hashlib.sha256(json.dumps(record, default=str).encode()).hexdigest()[:16]
+
+
+def token_hash(ids) -> str:
+    """16 hex digits of a token id sequence (int32), for the manifest's prefix and context."""
+    return hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest()[:16]
+
+
+def save(directory: str | Path, cache: kv.KVCache, model, meta: dict | None = None, overwrite: bool = False) -> Path:
+    """Writes cache (dense, masked, compacted or ragged) made with `model` (registry.LoadedModel) into `directory`,
+    atomically, with its manifest; meta: what the caller knows of how it was made (JSON-able). Returns the folder."""
+    import orbax.checkpoint as ocp
+
+    tree = _tree(cache)
+    layers = [_layer_layout(layer) for layer in cache.layers]
+    arrays = {jax.tree_util.keystr(path): _sha256(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    manifest = {
+        "format": FORMAT, "layout_version": LAYOUT_VERSION, "kvzip_jax": _version(),
+        "model": {"name": model.name, **model_identity(model.cfg, model.params)},
+        "tokenizer": tokenizer_hash(model.tokenizer), "dtype": np.dtype(dtypes.of_params(model.params)).name,
+        "batch_size": cache.batch_size, "next_position": np.asarray(cache.next_position).tolist(),
+        "layers": layers, "sha256": arrays, "meta": meta or {},
+    }
+    with atomic_dir(directory, overwrite) as tmp:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(tmp / ARRAYS, tree)
+            checkpointer.wait_until_finished()
+        _write_manifest(tmp / MANIFEST, manifest)
+    return Path(directory)
+
+
+def _write_manifest(path: Path, manifest: dict) -> None:
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def read_manifest(directory: str | Path) -> dict:
+    """The manifest of a saved cache, its format and layout version checked (nothing else read)."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CacheCorruptError(f"{directory} is not a saved cache (no {MANIFEST}: never saved, or the save did not "
+                                "finish)") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CacheCorruptError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CacheFormatError(f"{path} is not a {FORMAT} manifest")
+    version = manifest.get("layout_version")
+    if not isinstance(version, int) or version > LAYOUT_VERSION:
+        raise CacheFormatError(f"{directory} has cache layout version {version}; this kvzip-jax "
+                               f"({_version()}) reads up to {LAYOUT_VERSION}: upgrade kvzip-jax")
+    return manifest
+
+
+def check_model(manifest: dict, model) -> None:
+    """Raises CacheMismatchError unless the manifest was written for this model, tokenizer and dtype."""
+    saved = manifest["model"]
+    dtype = np.dtype(dtypes.of_params(model.params)).name
+    if manifest["dtype"] != dtype:
+        raise CacheMismatchError(f"the cache was saved in {manifest['dtype']}; this model runs in {dtype} (load the "
+                                 f"model with dtype={manifest['dtype']!r})")
+    identity = model_identity(model.cfg, model.params)
+    for field, what in (("config", "configuration"), ("params", "weights")):
+        if saved[field] != identity[field]:
+            raise CacheMismatchError(f"the cache was saved with model {saved['name']!r}, whose {what} differ from "
+                                     f"those of {model.name!r} ({field} {saved[field]} vs {identity[field]})")
+    if manifest["tokenizer"] != tokenizer_hash(model.tokenizer):
+        raise CacheMismatchError(f"the cache was saved with another tokenizer or chat template than {model.name!r}'s")
+
+
+def load(directory: str | Path, model) -> tuple[kv.KVCache, dict]:
+    """(cache, manifest) from a folder written by save, for `model`; raises a CacheFileError subclass on anything
+    that does not match (see the module docstring), before any array is used."""
+    import orbax.checkpoint as ocp
+
+    directory = Path(directory).absolute()
+    manifest = read_manifest(directory)
+    check_model(manifest, model)
+    dtype = dtypes.of_params(model.params)
+    try:
+        target = _abstract(manifest, dtype)
+        with ocp.StandardCheckpointer() as checkpointer:
+            tree = checkpointer.restore(directory / ARRAYS, target)
+    except CacheFileError:
+        raise
+    except Exception as e:  # orbax and tensorstore raise plain Exceptions on truncated or damaged files
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise CacheCorruptError(f"cannot restore {directory / ARRAYS} ({type(e).__name__}: {first})") from None
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        name = jax.tree_util.keystr(path)
+        if manifest["sha256"].get(name) != _sha256(leaf):
+            raise CacheCorruptError(f"{directory / ARRAYS}: array {name} does not match its checksum (the files were "
+                                    "changed or damaged after saving)")
+    return _cache(tree, manifest), manifest
+
+
+def _tree(cache: kv.KVCache) -> dict:
+    """The cache as a plain dict of arrays (what orbax stores)."""
+    layers = {}
+    for i, layer in enumerate(cache.layers):
+        fields = {"k": layer.k, "v": layer.v, "lengths": layer.lengths}
+        for name in ("keep", "bias", "offsets"):
+            value = getattr(layer, name, None)
+            if value is not None:
+                fields[name] = value
+        layers[str(i)] = fields
+    return {"layers": layers, "next_position": cache.next_position}
+
+
+def _layer_layout(layer) -> dict:
+    fields = {name: [list(x.shape), np.dtype(x.dtype).name] for name in ("k", "v", "lengths", "keep", "bias", "offsets")
+              if (x := getattr(layer, name, None)) is not None}
+    if isinstance(layer, kv.RaggedLayerCache):
+        return {"kind": RAGGED, "block": layer.block, "fields": fields}
+    return {"kind": DENSE, "fields": fields}
+
+
+def _abstract(manifest: dict, dtype) -> dict:
+    """The restore target: ShapeDtypeStructs on this host's first device (k and v in the model's dtype)."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    layers = {}
+    for i, layout in enumerate(manifest["layers"]):
+        if layout["kind"] not in (DENSE, RAGGED):
+            raise CacheFormatError(f"unknown layer kind {layout['kind']!r}")
+        layers[str(i)] = {name: jax.ShapeDtypeStruct(tuple(shape), dtype if name in ("k", "v") else np.dtype(kind),
+                                                     sharding=sharding)
+                          for name, (shape, kind) in layout["fields"].items()}
+    position = jax.ShapeDtypeStruct((manifest["batch_size"],), np.int32, sharding=sharding)
+    return {"layers": layers, "next_position": position}
+
+
+def _cache(tree: dict, manifest: dict) -> kv.KVCache:
+    layers = []
+    for i, layout in enumerate(manifest["layers"]):
+        fields = tree["layers"][str(i)]
+        if layout["kind"] == RAGGED:
+            layers.append(kv.RaggedLayerCache(block=layout["block"], **fields))
+        else:
+            layers.append(kv.LayerCache(**fields))
+    return kv.KVCache(layers=tuple(layers), next_position=tree["next_position"])
+
+
+def _sha256(x) -> str:
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvzip-jax")
+    except metadata.PackageNotFoundError:
+        return "unknown"
