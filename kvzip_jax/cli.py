@@ -6,7 +6,7 @@
       once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
   kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|am-omp|kvzip-am|...]
                      [--level pair|pair-uniform|layer|head] [--question Q ...] [--questions FILE]
-                     [--max-new-tokens N] [--chunk-size M] [--save DIR]
+                     [--max-new-tokens N] [--chunk-size M] [--save DIR] [--plot PNG] [--html FILE]
       prefill the context once, compress its cache with KVzip (--level: KVzip only) or compact it by Attention
       Matching (am-*, kvzip-am; ratio = fraction of context pairs kept), then answer each question from the
       compressed cache; with no questions given, reads them from stdin, one per line. --save DIR: keep the
@@ -245,6 +245,8 @@ def _compress(args: argparse.Namespace) -> int:
     what = f"KVzip {args.level} level" if args.method == "kvzip" else f"Attention Matching {args.method}"
     print(f"{what} at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s (including compilation)")
     _report_kept(model.cfg, masked, context)
+    if args.plot or args.html:
+        _pictures(args, model, masked, context)
     print(f"KV cache bytes: full {_bytes(cache)}")
     print(f"KV cache bytes: compressed {_bytes(compressed)} (ragged, room for {room} more tokens)")
     del cache, masked
@@ -266,6 +268,31 @@ def _compress(args: argparse.Namespace) -> int:
                 raise
             print(f"kvzip-jax compress: error: {e}", file=sys.stderr)
     return 0
+
+
+def _pictures(args: argparse.Namespace, model, masked, context) -> None:
+    """--plot and --html: what was kept (eval.kept), each file written whole or not at all."""
+    import os
+    import uuid
+
+    from kvzip_jax.eval import kept
+
+    share = kept.fractions(masked, context.context_start, len(context) - context.context_start)
+    title = f"{model.name}: {args.method} at ratio {args.ratio}"
+    for target, write in ((args.plot, lambda path: kept.plot(share, path, title)),
+                          (args.html, lambda path: Path(path).write_text(kept.html(
+                              model.tokenizer, context.ids()[context.context_slice], share.per_token, title),
+                              encoding="utf-8"))):
+        if target:
+            target = Path(target).absolute()
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}{target.suffix}")
+            try:
+                write(tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+            print(f"wrote {target}")
 
 
 def _save(args: argparse.Namespace, model, compressed, context) -> None:
@@ -541,6 +568,10 @@ def _add_compress(subparsers) -> None:
     parser.add_argument("--save", metavar="DIR", help="write the compressed cache to DIR (atomically, with a "
                         "manifest); answer from it later with: kvzip-jax ask --cache DIR")
     parser.add_argument("--overwrite", action="store_true", help="--save: replace an existing DIR")
+    parser.add_argument("--plot", metavar="PNG", help="write a figure of the kept share per (layer, KV head) and "
+                        "along the context")
+    parser.add_argument("--html", metavar="FILE", help="write the context as HTML, each token shaded by the share of "
+                        "(layer, KV head) pairs that kept it")
     parser.add_argument("--room", type=int, help="tokens of room after the compressed context (questions, answers, "
                         "a chat over a saved cache; default: the longest question + --max-new-tokens, at least "
                         f"{INTERACTIVE_QUESTION_ROOM} + --max-new-tokens when questions come later)")

@@ -2,8 +2,10 @@
 SmolLM2 with a tiny context (the model is restored once per module; registry.load itself is tested elsewhere)."""
 
 import dataclasses
+import html
 import io
 import json
+import re
 
 import pytest
 
@@ -216,3 +218,23 @@ def test_eval_refuses_bad_choices_before_loading_the_model(capsys, monkeypatch, 
         cli.main(["eval", "--model", registry.SMOLLM2, flag, value])
     assert exit_info.value.code == cli.EXIT_USER_ERROR
     assert fragment in capsys.readouterr().err
+
+
+def test_compress_draws_what_was_kept(capsys, tiny, context_file, tmp_path):
+    png, page = tmp_path / "pics" / "kept.png", tmp_path / "kept.html"
+    argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question", QUESTION,
+            "--max-new-tokens", "2", "--plot", str(png), "--html", str(page)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {png}" in out and f"wrote {page}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    text = page.read_text()
+    context, _ = prompts.split_for_reuse(tiny.tokenizer, CONTEXT, [])
+    assert text.count('<span class="t"') == len(context) - context.context_start  # one span per context token
+    spans = re.findall(r'<span class="t"[^>]*>(.*?)</span>', text, flags=re.S)
+    assert html.unescape("".join(spans)).replace("<br>\n", "\n") == CONTEXT  # the context, token by token
+    kept_line = next(line for line in out.splitlines() if line.startswith("tokens kept: "))
+    kept, total = (int(x) for x in kept_line.split()[2:5:2])
+    shown = float(text.split("% of the context's pairs kept")[0].rsplit("; ", 1)[1])
+    assert abs(shown - 100 * kept / total) < 0.05  # the page's share is the cache's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["context.txt", "kept.html", "pics"]  # no temporary left

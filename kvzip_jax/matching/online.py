@@ -93,6 +93,9 @@ def compact_full(params, cfg: ModelConfig, cache: kv.KVCache, history: Sequence[
     if cache.batch_size != 1 or (lengths != lengths.flat[0]).any():
         raise ValueError("online compaction takes one row whose heads all hold the same number of pairs")
     used = int(lengths.flat[0])
+    if used - keep_prefix - protect < 1:
+        raise ValueError(f"nothing to compact: the cache holds {used} tokens, keep_prefix {keep_prefix} and protect "
+                         f"{protect} keep them all")
     recent = np.asarray(history[-window:], np.int32)
     tokens = np.zeros((1, 1, window), np.int32)
     tokens[0, 0, :recent.size] = recent
