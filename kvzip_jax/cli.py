@@ -58,6 +58,21 @@ def _read_text(path: str, what: str) -> str:
         raise InputFileError(f"the {what} file {path} is not UTF-8 text") from None
 
 
+def _progress(args: argparse.Namespace, what: str):
+    """(on_chunk callback for gen.prefill, close): a tqdm bar on stderr, silent when stderr is not a terminal or with
+    --quiet."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=what, unit="tok", disable=getattr(args, "quiet", False) or not sys.stderr.isatty(),
+               file=sys.stderr, leave=False)
+
+    def on_chunk(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return on_chunk, bar.close
+
+
 def _bytes(cache) -> str:
     from kvzip_jax import cache as kv
 
@@ -229,8 +244,10 @@ def _compress(args: argparse.Namespace) -> int:
                                                 instruction=prompts.named_instruction(args.instruction))
 
     start = time.perf_counter()
-    logits, cache = gen.prefill(model.params, model.cfg, [context.ids()])
+    on_chunk, done = _progress(args, "prefill")
+    logits, cache = gen.prefill(model.params, model.cfg, [context.ids()], on_chunk=on_chunk)
     jax.block_until_ready(logits)
+    done()
     print(f"prefill: {len(context)} tokens ({context.context_start} prefix + {len(context) - context.context_start} "
           f"context) in {time.perf_counter() - start:.1f} s (including compilation)")
 
@@ -390,7 +407,9 @@ def _chat(args: argparse.Namespace) -> int:
         args.dtype = args.dtype or "auto"
         model = _load(args)
         context, _ = prompts.split_for_reuse(model.tokenizer, document, [])
-        _, full = gen.prefill(model.params, model.cfg, [context.ids()])
+        on_chunk, done = _progress(args, "prefill")
+        _, full = gen.prefill(model.params, model.cfg, [context.ids()], on_chunk=on_chunk)
+        done()
         args.level, args.chunk_size, args.self_study = "pair", 512, False
         masked, how = _evict(args, model, full, context, None)
         cache = kv.pack(masked, args.room)
@@ -467,6 +486,7 @@ def _add_chat(subparsers) -> None:
     parser.add_argument("--room", type=int, default=1024, help="with --context: tokens of conversation the "
                         "compressed cache has room for")
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--dtype", choices=dtypes.CHOICES, help="default: auto, or the dtype of a saved cache")
     parser.add_argument("--attention-impl", choices=IMPLS, default="auto",
                         help="decode attention (auto: Pallas on CUDA GPUs, else XLA)")
@@ -568,6 +588,8 @@ def _add_compress(subparsers) -> None:
     parser.add_argument("--save", metavar="DIR", help="write the compressed cache to DIR (atomically, with a "
                         "manifest); answer from it later with: kvzip-jax ask --cache DIR")
     parser.add_argument("--overwrite", action="store_true", help="--save: replace an existing DIR")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a "
+                        "terminal)")
     parser.add_argument("--plot", metavar="PNG", help="write a figure of the kept share per (layer, KV head) and "
                         "along the context")
     parser.add_argument("--html", metavar="FILE", help="write the context as HTML, each token shaded by the share of "

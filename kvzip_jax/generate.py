@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -62,12 +62,13 @@ def _as_rows(tokens) -> list[np.ndarray]:
 
 
 def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *, capacity: int | None = None,
-            chunk: int = DEFAULT_CHUNK, reserve: int = 256):
+            chunk: int = DEFAULT_CHUNK, reserve: int = 256, on_chunk: Callable[[int, int], None] | None = None):
     """Appends token rows (a list of sequences, or [B, T]) to cache in chunks; returns (last_logits [B, V], cache).
 
     With no cache, a fresh one (in the params' dtype) is made with capacity `capacity` or the bucket of the longest
     row plus `reserve` (room for questions and answers). Appending to an existing cache is multi-turn: positions continue.
-    The given cache is donated (its arrays are consumed).
+    The given cache is donated (its arrays are consumed). on_chunk(done, total): called after each chunk with the
+    tokens of the longest row fed so far (a progress bar).
     """
     rows = _as_rows(tokens)
     lengths = np.array([row.size for row in rows], np.int32)  # [B]
@@ -98,6 +99,8 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
         logits, cache = forward_step(params, jnp.asarray(block), jnp.asarray(num_new), cache, cfg)
         logits = logits[:, 0]  # [B, V]
         last_logits = logits if last_logits is None else jnp.where((num_new > 0)[:, None], logits, last_logits)
+        if on_chunk is not None:
+            on_chunk(min(start + chunk, int(lengths.max())), int(lengths.max()))
     return last_logits, cache
 
 

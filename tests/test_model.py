@@ -92,7 +92,9 @@ def test_chunked_prefill_then_decode_equals_full_forward(tiny):
     _, _, cfg, params = tiny
     tokens = _tokens(cfg, 2, 70)
     full, _, _ = _full_forward(params, cfg, tokens, logits="all")
-    logits, cache = gen.prefill(params, cfg, tokens[:, :50], chunk=16)
+    progress = []
+    logits, cache = gen.prefill(params, cfg, tokens[:, :50], chunk=16, on_chunk=lambda *a: progress.append(a))
+    assert progress == [(16, 50), (32, 50), (48, 50), (50, 50)]  # a progress bar's steps, one per chunk
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, 49]), atol=1e-4, rtol=0)
     for t in range(50, 70):
         step_logits, cache = gen.forward_step(params, jnp.asarray(tokens[:, t:t + 1]), jnp.array([1, 1], jnp.int32),

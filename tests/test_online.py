@@ -13,7 +13,9 @@ from kvzip_jax import generate as gen
 from kvzip_jax.config import SLIDING
 from kvzip_jax.errors import ContextTooLongError, UnsupportedArchitectureError
 from kvzip_jax.matching import online
+from kvzip_jax.matching.queries import QueryObserver
 from kvzip_jax.models.params import init_params
+from kvzip_jax.models.transformer import forward
 
 from .test_kvzip_score import tiny_config
 
@@ -64,6 +66,11 @@ def test_defragmenting_a_compacted_cache_changes_no_attention(model):
     for form in (shuffled, back):
         got, _ = gen.append_tokens(params, new, jnp.asarray([3]), form, cfg, logits="all")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    # The observed forward (what the next compaction's reference pass runs) adds the bias too.
+    observer = QueryObserver(jnp.zeros((1, 3), jnp.int32).at[0].set(jnp.arange(3)))
+    positions = dense.next_position[:, None] + jnp.arange(3)
+    observed, _, _ = forward(params, new, positions, dense, cfg, observer, num_new=jnp.asarray([3]), logits="all")
+    np.testing.assert_allclose(np.asarray(observed), np.asarray(want), atol=1e-5)
 
 
 def _with_evicted_gaps(layer: kv.LayerCache) -> kv.LayerCache:
