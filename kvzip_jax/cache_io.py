@@ -32,7 +32,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax import dtypes
 from kvzip_jax.errors import KvzipError
 from kvzip_jax.weights.checkpoint import atomic_dir
-from kvzip_jax.weights.identity import model_identity
+from kvzip_jax.weights.identity import model_identity, tokenizer_hash
 
 FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 1
 ARRAYS, MANIFEST = "arrays", "manifest.json"
@@ -53,13 +53,6 @@ class CacheFormatError(CacheFileError):
 
 class CacheMismatchError(CacheFileError):
     """A saved cache made with another model, tokenizer or dtype than the one given."""
-
-
-def tokenizer_hash(tokenizer) -> str:
-    """16 hex digits of the tokenizer's vocabulary, special tokens and chat template."""
-    record = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_ids)),
-              "template": getattr(tokenizer, "chat_template", None) or ""}
-    return hashlib.sha256(json.dumps(record, default=str).encode()).hexdigest()[:16]
 
 
 def token_hash(ids) -> str:

@@ -3,6 +3,7 @@ process answers token for token as the cache did before saving; every mismatch g
 midway leaves nothing that loads; the CLI's compress --save and ask --cache."""
 
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -127,7 +128,8 @@ def test_a_save_killed_midway_leaves_nothing_that_loads(tmp_path, smollm2_checkp
             cache_io.load(path, restored)
 
 
-def test_cli_compress_save_then_ask_without_prefill(capsys, smollm2, restored, tmp_path):  # noqa: F811
+def test_cli_compress_save_then_ask_or_chat_without_prefill(capsys, monkeypatch, smollm2, restored,  # noqa: F811
+                                                            tmp_path):
     context_file = tmp_path / "context.txt"
     context_file.write_text(CONTEXT)
     saved = tmp_path / "doc.kv"
@@ -145,6 +147,10 @@ def test_cli_compress_save_then_ask_without_prefill(capsys, smollm2, restored, t
     out = capsys.readouterr().out
     assert "no prefill or scoring" in out and "prefill:" not in out
     assert next(line for line in out.splitlines() if line.startswith("A: ")) == answer
+    monkeypatch.setattr(sys, "stdin", io.StringIO(QUESTION + "\n"))  # a chat over the saved cache: the same answer
+    assert cli.main(["chat", "--cache", str(saved), "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "no prefill, no scoring" in out and f"> {answer[3:]}\n" in out and out.rstrip().endswith("bye")
     assert cli.main(["compress", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
                      "--save", str(saved)]) == cli.EXIT_USER_ERROR  # exists: refused, not overwritten
     assert "already exists" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.eval import report
 from kvzip_jax.eval import sweep as sw
 from kvzip_jax.eval.results import ResultsFile, record_key
 from kvzip_jax.eval.tasks.base import Example
@@ -50,10 +51,15 @@ def model(smollm2_gguf):
 
 
 @pytest.fixture(scope="module")
-def batched(model, tmp_path_factory):
+def batched_path(model, tmp_path_factory):
     path = tmp_path_factory.mktemp("batched") / "results.jsonl"
     sw.run_sweep(model, examples(), CONFIG, path, progress=False)
-    return _by_key(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def batched(batched_path):
+    return _by_key(batched_path)
 
 
 def _by_key(path) -> dict:
@@ -173,7 +179,8 @@ class Killed(Exception):
     pass
 
 
-def test_a_killed_sweep_resumes_without_redoing_or_losing_answers(model, batched, tmp_path, monkeypatch):
+def test_a_killed_sweep_resumes_without_redoing_or_losing_answers(model, batched, batched_path, tmp_path,
+                                                                   monkeypatch):
     path = tmp_path / "results.jsonl"
     appended = []
     real_append = ResultsFile.append
@@ -201,6 +208,10 @@ def test_a_killed_sweep_resumes_without_redoing_or_losing_answers(model, batched
     assert [json.loads(line) for line in open(path).read().splitlines()[:len(first_part)]] == first_part
     for key, r in resumed.items():
         assert r["prediction"] == batched[key]["prediction"]
+        assert r["versions"]["jax"] == jax.__version__ and r["config"] == batched[key]["config"]
+    tables = [report.write_report(p, tmp_path / f"report-{i}") for i, p in enumerate((path, batched_path))]
+    for name in ("markdown", "csv"):  # the interrupted and resumed sweep's tables are the uninterrupted one's
+        assert tables[0][name].read_bytes() == tables[1][name].read_bytes()
     # a rerun of a finished sweep does nothing
     calls.clear()
     sw.run_sweep(model, examples(), CONFIG, path, progress=False)

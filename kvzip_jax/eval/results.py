@@ -5,7 +5,8 @@ Each batch of records goes out in one write followed by fsync. A write cut off b
 last line; opening the file again cuts that line off, so later appends start on a clean line and nothing finished
 is lost or redone.
 
-A sweep's settings (what changes an answer: the model's identity, the prompt, scoring options, RESULTS_VERSION)
+A sweep's settings (what changes an answer: the model's and tokenizer's identity, the prompt, scoring options,
+RESULTS_VERSION)
 are written beside the file (<file>.settings.json) when it is created, and every record carries their fingerprint
 and a hash of its example. Opening the file with other settings, or meeting an example that changed under the same
 id, raises SweepMismatchError: results of two configurations are never merged. The grid (methods, modes, ratios)
@@ -23,7 +24,7 @@ from pathlib import Path
 from kvzip_jax.errors import KvzipError
 
 KEY_FIELDS = ("task", "example", "method", "mode", "ratio", "question")
-RESULTS_VERSION = 2  # 2: one answer path for every cache, published H2O and PyramidKV, per-head floors
+RESULTS_VERSION = 3  # 2: one answer path for every cache, published H2O and PyramidKV, per-head floors; 3: tokenizer
 
 
 class SweepMismatchError(KvzipError):

@@ -29,6 +29,7 @@ import json
 import time
 import zlib
 from collections.abc import Callable, Sequence
+from importlib import metadata
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +43,21 @@ from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile
 from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
-from kvzip_jax.weights.identity import model_identity
+from kvzip_jax.weights.identity import model_identity, tokenizer_hash
+
+
+def _versions() -> dict[str, str]:
+    """The versions of the packages that compute an answer (each sweep record carries them)."""
+    found = {}
+    for package in ("kvzip-jax", "jax", "jaxlib", "flax", "numpy", "transformers"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "unknown"
+    return found
+
+
+VERSIONS = _versions()
 
 MODES = ("reuse", "first", "oracle")
 FULL = "full"
@@ -75,10 +90,12 @@ class SweepConfig:
         return self.modes if method in baselines.QUERY_AWARE else ("reuse",)
 
     def settings(self, model) -> dict:
-        """What changes an answer (results.py): the model's identity and the options that shape prompt and scores."""
+        """What changes an answer (results.py): the model's and tokenizer's identity and the options that shape prompt
+        and scores."""
         return dict(version=RESULTS_VERSION, model=model.name, **{f"model_{k}": v for k, v in
                                                                   model_identity(model.cfg, model.params).items()},
-                    instruction=self.instruction, chunk_size=self.chunk_size, seed=self.seed)
+                    tokenizer=tokenizer_hash(model.tokenizer), instruction=self.instruction,
+                    chunk_size=self.chunk_size, seed=self.seed)
 
 
 def example_hash(ex: Example) -> str:
@@ -327,7 +344,7 @@ class Sweep:
                     continue
                 prediction = text(got[i]["tokens"][b])
                 records.append(dict(
-                    config=self.fingerprint, example_hash=example_hash(ex),
+                    config=self.fingerprint, example_hash=example_hash(ex), versions=VERSIONS,
                     model=self.model.name, task=ex.task, example=ex.id, question=i, method=method, mode=mode,
                     ratio=ratio, prediction=prediction, references=list(ex.answers[i]), metric=ex.metric,
                     score=metrics.score(ex.metric, prediction, ex.answers[i]),

@@ -1,5 +1,5 @@
-"""Model identity: short stable hashes of a model's config and of its parameters, to tell when results (a sweep's
-records, a saved cache) were made with another model.
+"""Model identity: short stable hashes of a model's config, of its parameters and of its tokenizer, to tell when
+results (a sweep's records, a saved cache) were made with another model.
 
 The parameter fingerprint reads every leaf's path, shape and dtype and up to SAMPLES values spread evenly over it, so
 it costs milliseconds even for a large model, and any retrained, requantised or differently converted weights change
@@ -37,6 +37,13 @@ def params_fingerprint(params) -> str:
         digest.update(f"{jax.tree_util.keystr(path)} {tuple(leaf.shape)} {leaf.dtype}\n".encode())
         digest.update(sample.tobytes())
     return digest.hexdigest()[:16]
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """16 hex digits of a tokenizer's vocabulary, special tokens and chat template."""
+    record = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_ids)),
+              "template": getattr(tokenizer, "chat_template", None) or ""}
+    return hashlib.sha256(json.dumps(record, default=str).encode()).hexdigest()[:16]
 
 
 def model_identity(cfg: ModelConfig, params) -> dict[str, str]:
