@@ -58,17 +58,17 @@ def _read_text(path: str, what: str) -> str:
         raise InputFileError(f"the {what} file {path} is not UTF-8 text") from None
 
 
-def _progress(args: argparse.Namespace, what: str):
-    """(on_chunk callback for gen.prefill, close): a tqdm bar on stderr, silent when stderr is not a terminal or with
+def _progress(args: argparse.Namespace, what: str, unit: str = "tok"):
+    """(on_chunk(done, total) callback, close): a tqdm bar on stderr, silent when stderr is not a terminal or with
     --quiet."""
     from tqdm import tqdm
 
-    bar = tqdm(desc=what, unit="tok", disable=getattr(args, "quiet", False) or not sys.stderr.isatty(),
+    bar = tqdm(desc=what, unit=unit, disable=getattr(args, "quiet", False) or not sys.stderr.isatty(),
                file=sys.stderr, leave=False)
 
     def on_chunk(done: int, total: int) -> None:
         bar.total = total
-        bar.update(done - bar.n)
+        bar.update(max(done - bar.n, 0))
 
     return on_chunk, bar.close
 
@@ -524,8 +524,14 @@ def _evict(args: argparse.Namespace, model, cache, context, head_scores):
         return compacted, (f"keys selected ({config.selector}), values and biases fitted; pairs kept at ratio "
                            f"{matching.effective_ratio(config, cache):.4f} (less, to pay for the 4-byte bias per kept "
                            "pair)")
+    from kvzip_jax.kvzip.scoring import chunk_progress
+
     compress = jax.jit(kvzip.score_and_evict)
-    masked, _ = compress(model.params, model.cfg, cache, reread, args.ratio, kvzip.KVzipConfig(level=args.level))
+    on_chunk, done = _progress(args, "KVzip scoring (reread chunks)", unit="chunk")
+    with chunk_progress(on_chunk):
+        masked, _ = compress(model.params, model.cfg, cache, reread, args.ratio, kvzip.KVzipConfig(level=args.level))
+        jax.block_until_ready(masked)
+    done()
     return masked, "scored and evicted"
 
 

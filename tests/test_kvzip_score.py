@@ -118,7 +118,11 @@ def test_scores_equal_the_numpy_oracle(num_kv_heads, qkv_bias, context_len, chun
     context = rng.integers(0, cfg.vocab_size, context_len).astype(np.int32)
     _, cache = gen.prefill(params, cfg, [np.concatenate([prefix, context])], capacity=64)
     inputs, rereads = _inputs(cfg, prefix, context, chunk_size)
-    ours = np.asarray(jax.jit(kvscore.score)(params, cfg, cache, inputs))[:, 0, :, :context_len]  # [L, K, n]
+    reported = []
+    with kvscore.chunk_progress(lambda done, total: reported.append((done, total))):  # a progress bar's feed
+        ours = np.asarray(jax.jit(kvscore.score)(params, cfg, cache, inputs))[:, 0, :, :context_len]  # [L, K, n]
+    chunks = -(-context_len // chunk_size)
+    assert sorted(reported) == [(t, chunks) for t in range(1, chunks + 1)]  # every chunk once, jitted
     expected = oracle_scores(params, cfg, prefix, context, rereads, chunk_size)
     assert expected.min() < 0.2 and expected.max() > 0.8  # the scores really separate pairs
     np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)

@@ -13,7 +13,9 @@ D model width, L layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -228,7 +230,27 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         _, _, aux = forward(params, reread.tokens[t], after_cache(cache, reread.tokens.shape[2]), cache, cfg,
                             observer, num_new=reread.num_valid[t], logits=None)
         per_chunk.append(jnp.stack(aux["observed"]))  # [L, B, K, m]
+        jax.debug.callback(_report_chunk, t + 1, reread.tokens.shape[0], per_chunk[-1][0, 0, 0, 0])  # once computed
     return in_context_scores(jnp.concatenate(per_chunk, axis=-1), reread.context_len)  # [L, B, K, C m]
+
+
+_PROGRESS: list[Callable[[int, int], None]] = []  # chunk_progress listeners
+
+
+@contextlib.contextmanager
+def chunk_progress(callback: Callable[[int, int], None]):
+    """Within the block, callback(done, total) runs on the host as each reread chunk of `score` is computed, jitted
+    or not (a progress bar; chunks may finish out of order, so `done` can repeat or go back)."""
+    _PROGRESS.append(callback)
+    try:
+        yield
+    finally:
+        _PROGRESS.remove(callback)
+
+
+def _report_chunk(done, total, _) -> None:
+    for callback in tuple(_PROGRESS):
+        callback(int(done), int(total))
 
 
 def chunk_observer(cfg: ModelConfig, reread: RereadInputs, t: int, variant: str = "softmax",
