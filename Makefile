@@ -4,13 +4,17 @@ PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test test-quality bench
+.PHONY: demo test test-all test-quality bench
 
 demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
 
 test: $(VENV)/.installed-test
-	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not quality48" tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not quality48 and not extended" tests
+
+# Everything, the extended checks and the quality bar included (~45 minutes on 2 cores).
+test-all: $(VENV)/.installed-test
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests
 
 # The 48-question quality bar (tests/test_kvzip_quality.py; ~8 minutes on 2 cores): outside the default run.
 test-quality: $(VENV)/.installed-test

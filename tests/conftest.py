@@ -21,6 +21,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads a 0.3-0.5B model through transformers (about a minute)")
     config.addinivalue_line("markers", "quality48: the 48-question quality bar (minutes; `make test-quality`, not in "
                             "`make test`)")
+    config.addinivalue_line("markers", "extended: a slow check whose behaviour the default run covers through another "
+                            "test (`make test-all`, not in `make test`)")
 
 
 def _checkpoints_dir() -> Path:

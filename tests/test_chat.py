@@ -1,4 +1,4 @@
-"""kvzip-jax chat driven through stdin on SmolLM2: two turns answered, the second conditioned on the first (its
+"""kvzip-jax chat driven through stdin on a tiny random model with SmolLM2's tokenizer: two turns answered, the second conditioned on the first (its
 tokens are those of the multi-turn layout computed through the API), the answers streamed in pieces, /bytes and
 /reset, a clean exit on EOF (Ctrl-D)."""
 
@@ -10,7 +10,7 @@ import jax
 from kvzip_jax import cache as kv
 from kvzip_jax import cli, kvzip, prompts
 from kvzip_jax import generate as gen
-from tests.test_cli import CONTEXT, QUESTION, restored, smollm2, smollm2_checkpoint  # noqa: F401 (fixtures)
+from tests.test_cli import CONTEXT, QUESTION, restored, smollm2_checkpoint, tiny  # noqa: F401 (fixtures)
 
 FOLLOW_UP = "Repeat that name."
 
@@ -44,17 +44,17 @@ def _expected_answers(model, max_new: int):
     return answers
 
 
-def test_two_turns_streamed_then_a_clean_exit(monkeypatch, smollm2, restored, tmp_path):  # noqa: F811
+def test_two_turns_streamed_then_a_clean_exit(monkeypatch, tiny, tmp_path):  # noqa: F811
     context_file = tmp_path / "context.txt"
     context_file.write_text(CONTEXT)
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{QUESTION}\n{FOLLOW_UP}\n/bytes\n/reset\n/bytes\n"))
     out = Writes()
     monkeypatch.setattr(sys, "stdout", out)
-    argv = ["chat", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
+    argv = ["chat", "--model", "tiny", "--context", str(context_file), "--ratio", "0.5",
             "--max-new-tokens", "16"]
     assert cli.main(argv) == 0
     text = out.getvalue()
-    first, second = _expected_answers(restored, 16)
+    first, second = _expected_answers(tiny, 16)
     assert f"> {first}\n> {second}\n" in text, text  # each answer printed after its prompt, in order
     assert first != second and len(first) > 0
     assert text.rstrip().endswith("bye")  # EOF after the last command: a clean exit

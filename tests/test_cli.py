@@ -193,14 +193,14 @@ def test_eval_sweeps_writes_the_report_and_resumes(capsys, smollm2, tmp_path):
     records.write_text(json.dumps({"context": CONTEXT, "queries": [QUESTION, "Which crate held the backup drill?"],
                                    "answers": ["Ingrid Solberg", "K-4471"], "max_new_tokens": 10}) + "\n")
     out = tmp_path / "run"
-    argv = ["eval", "--model", str(smollm2), "--tasks", "passkey", "--contexts", "2", "--context-tokens", "120",
-            "--questions-per-context", "2", "--jsonl", str(records), "--methods", "kvzip,snapkv,streamingllm",
+    argv = ["eval", "--model", str(smollm2), "--tasks", "passkey", "--contexts", "1", "--context-tokens", "120",
+            "--questions-per-context", "2", "--jsonl", str(records), "--methods", "kvzip,snapkv",
             "--ratios", "1,0.3", "--batch-size", "2", "--out", str(out), "--no-progress"]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     lines = (out / "results.jsonl").read_text().splitlines()
-    # 3 contexts x 2 questions x (full + 3 methods x 2 ratios)
-    assert len(lines) == 3 * 2 * (1 + 3 * 2)
+    # 2 contexts x 2 questions x (full + 2 methods x 2 ratios)
+    assert len(lines) == 2 * 2 * (1 + 2 * 2)
     assert {json.loads(line)["task"] for line in lines} == {"passkey", "records"}
     for name in ("summary.md", "summary.csv", "scores.png"):
         assert (out / name).stat().st_size > 0

@@ -3,6 +3,7 @@ each notebook's cell tagged "parameters" is overridden by appending assignments)
 outputs hold the answers, the highlighted text and the plots, and the committed files carry no outputs."""
 
 import base64
+import dataclasses
 import json
 from pathlib import Path
 
@@ -10,13 +11,16 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from tests.test_cli import smollm2_checkpoint  # noqa: F401 (a fixture)
+from kvzip_jax.models.params import init_params
+from kvzip_jax.weights.checkpoint import save_checkpoint
+from tests.test_cli import restored, smollm2_checkpoint  # noqa: F401 (fixtures)
+from tests.test_kvzip_score import tiny_config
 
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 SMALL = {  # notebook -> parameter overrides for a CI run on 2 CPU cores
     "quickstart": {"MAX_NEW_TOKENS": 8, "DOCUMENT_CHARS": 1000},
     "what_was_kept": {"DOCUMENT_CHARS": 1000},
-    "sweep": {"TASKS": ("passkey",), "METHODS": ("kvzip", "streamingllm"), "RATIOS": (1.0, 0.3), "CONTEXTS": 1,
+    "sweep": {"TASKS": ("passkey",), "METHODS": ("kvzip", "streamingllm"), "RATIOS": (1.0, 0.3), "CONTEXTS": 2,
               "CONTEXT_TOKENS": 150},
 }
 
@@ -45,9 +49,18 @@ def _text(outputs) -> str:
     return "".join(o.get("text", "") + "".join(o.get("data", {}).get("text/plain", "")) for o in outputs)
 
 
+@pytest.fixture(scope="module")
+def tiny_checkpoint(restored, tmp_path_factory):  # noqa: F811
+    """A tiny random model with SmolLM2's tokenizer, as a checkpoint folder (what_was_kept and sweep check the
+    notebook's plumbing and pictures, which need no trained model; quickstart runs SmolLM2 for real answers)."""
+    cfg = dataclasses.replace(tiny_config(2), vocab_size=restored.cfg.vocab_size)
+    path = tmp_path_factory.mktemp("tiny") / "tiny"
+    return save_checkpoint(path, cfg, init_params(cfg, seed=1, scale=0.15), restored.tokenizer)
+
+
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_notebook_runs_and_shows_its_results(name, smollm2_checkpoint, tmp_path):  # noqa: F811
-    outputs = _run(name, smollm2_checkpoint, tmp_path)
+def test_notebook_runs_and_shows_its_results(name, smollm2_checkpoint, tiny_checkpoint, tmp_path):  # noqa: F811
+    outputs = _run(name, smollm2_checkpoint if name == "quickstart" else tiny_checkpoint, tmp_path)
     assert not [o for o in outputs if o.output_type == "error"]
     text = _text(outputs)
     pngs = [base64.b64decode(o["data"]["image/png"]) for o in outputs if "image/png" in o.get("data", {})]

@@ -561,6 +561,7 @@ def _check_real_gguf(path: Path, expected: dict, layers: tuple[int, ...]) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # test_parity_real's logit parity with transformers on this GGUF covers its conversion
 def test_qwen_gguf(qwen_gguf):
     _check_real_gguf(qwen_gguf, dict(architecture="qwen2", num_layers=24, hidden_size=896, num_heads=14,
                                      num_kv_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
@@ -569,6 +570,7 @@ def test_qwen_gguf(qwen_gguf):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # test_parity_real's logit parity with transformers on this GGUF covers its conversion
 def test_gemma_gguf(gemma_gguf):
     types = ("sliding",) * 5 + ("full",)
     _check_real_gguf(gemma_gguf, dict(architecture="gemma3", num_layers=18, hidden_size=640, num_heads=4,
