@@ -289,27 +289,17 @@ def _compress(args: argparse.Namespace) -> int:
 
 def _pictures(args: argparse.Namespace, model, masked, context) -> None:
     """--plot and --html: what was kept (eval.kept), each file written whole or not at all."""
-    import os
-    import uuid
-
-    from kvzip_jax.eval import kept
+    from kvzip_jax.eval import kept, report
 
     share = kept.fractions(masked, context.context_start, len(context) - context.context_start)
     title = f"{model.name}: {args.method} at ratio {args.ratio}"
-    for target, write in ((args.plot, lambda path: kept.plot(share, path, title)),
-                          (args.html, lambda path: Path(path).write_text(kept.html(
-                              model.tokenizer, context.ids()[context.context_slice], share.per_token, title),
-                              encoding="utf-8"))):
-        if target:
-            target = Path(target).absolute()
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}{target.suffix}")
-            try:
-                write(tmp)
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
-            print(f"wrote {target}")
+    if args.plot:
+        print(f"wrote {kept.plot(share, Path(args.plot).absolute(), title)}")
+    if args.html:
+        page = kept.html(model.tokenizer, context.ids()[context.context_slice], share.per_token, title)
+        target = Path(args.html).absolute()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {report.write_atomic(target, lambda tmp: tmp.write_text(page, encoding='utf-8'))}")
 
 
 def _save(args: argparse.Namespace, model, compressed, context) -> None:
@@ -330,21 +320,28 @@ def _save(args: argparse.Namespace, model, compressed, context) -> None:
           f"{kv.nbytes(compressed):,} bytes in memory ({kv.used_bytes(compressed):,} filled)")
 
 
-def _ask(args: argparse.Namespace) -> int:
+def _load_saved(args: argparse.Namespace):
+    """(model, cache, manifest's meta) of --cache: the model is --model or the one the manifest names, in --dtype or
+    the dtype the cache was saved in."""
     from kvzip_jax import cache_io
 
-    if args.max_new_tokens < 1:
-        args.subparser.error("--max-new-tokens must be >= 1")
     manifest = cache_io.read_manifest(args.cache)
     meta = manifest.get("meta", {})
     args.model = args.model or meta.get("model_source")
     if not args.model:
         args.subparser.error(f"{args.cache} does not say which model made it; give --model")
     args.dtype = args.dtype or manifest["dtype"]
-    questions = _questions(args)
-    start = time.perf_counter()
     model = _load(args)
     cache, _ = cache_io.load(args.cache, model)
+    return model, cache, meta
+
+
+def _ask(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 1:
+        args.subparser.error("--max-new-tokens must be >= 1")
+    questions = _questions(args)
+    start = time.perf_counter()
+    model, cache, meta = _load_saved(args)
     what = f"{meta.get('method', '?')} at ratio {meta.get('ratio', '?')}" if meta else "a saved cache"
     context = meta.get("context", {}).get("tokens", "?")
     print(f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "
@@ -382,21 +379,15 @@ def _chat(args: argparse.Namespace) -> int:
     import jax
 
     from kvzip_jax import cache as kv
-    from kvzip_jax import cache_io, prompts
     from kvzip_jax import generate as gen
+    from kvzip_jax import prompts
 
     if (args.context is None) == (args.cache is None):
         args.subparser.error("give --context FILE (compressed now) or --cache DIR (saved by compress --save)")
     if args.max_new_tokens < 1 or args.room < 1:
         args.subparser.error("--max-new-tokens and --room must be >= 1")
     if args.cache is not None:
-        manifest = cache_io.read_manifest(args.cache)
-        args.model = args.model or manifest.get("meta", {}).get("model_source")
-        if not args.model:
-            args.subparser.error(f"{args.cache} does not say which model made it; give --model")
-        args.dtype = args.dtype or manifest["dtype"]
-        model = _load(args)
-        cache, _ = cache_io.load(args.cache, model)
+        model, cache, _ = _load_saved(args)
         print(f"loaded the cache of {args.cache}: no prefill, no scoring")
     else:
         if args.ratio is None:

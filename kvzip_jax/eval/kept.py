@@ -19,6 +19,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from kvzip_jax import cache as kv
+from kvzip_jax.eval.report import write_atomic
 
 SMOOTHING = 32  # tokens averaged in the smoothed line of the plot
 
@@ -64,7 +65,8 @@ def html(tokenizer, context_ids, per_token: np.ndarray, title: str = "kept token
 
 
 def plot(share: KeptShare, path: str | Path, title: str = "") -> Path:
-    """kept share per (layer, KV head) as a heatmap, and along the context; written as PNG to path."""
+    """kept share per (layer, KV head) as a heatmap, and along the context; written as PNG to path (whole or not at
+    all)."""
     figure = Figure(figsize=(11, 4), layout="constrained")
     heat, along = figure.subplots(1, 2, width_ratios=(1, 2))
     image = heat.imshow(share.per_head, aspect="auto", cmap="Greens", vmin=0, vmax=1, interpolation="nearest")
@@ -83,5 +85,4 @@ def plot(share: KeptShare, path: str | Path, title: str = "") -> Path:
         figure.suptitle(title)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(figure).print_png(str(path))
-    return path
+    return write_atomic(path, lambda tmp: FigureCanvasAgg(figure).print_png(str(tmp)))

@@ -184,7 +184,7 @@ def markdown_table(rows: Sequence[dict], value: str = "normalised") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
     """write(tmp) into a temporary file next to path, then os.replace it onto path."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -200,7 +200,7 @@ def _write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Pat
 
 
 def _write_text(path: str | os.PathLike, text: str) -> Path:
-    return _write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> Path:
@@ -210,7 +210,7 @@ def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> Path:
             w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
             w.writeheader()
             w.writerows({k: "" if r[k] is None else r[k] for k in COLUMNS} for r in rows)
-    return _write_atomic(path, write)
+    return write_atomic(path, write)
 
 
 def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised") -> Path:
@@ -254,7 +254,7 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
             ax.legend(fontsize="small")
     for ax in axes[len(tasks):]:
         ax.set_visible(False)
-    return _write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
 def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Path]:
