@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvzip_jax.errors import KvzipError
+from kvzip_jax.sharding.mesh import current_mesh, spec_for
+from kvzip_jax.sharding.select import SCORES, top_counts_sharded
 
 RATIO_UNITS = 1_000_000  # a ratio is counted in millionths
 MAX_CANDIDATES = 2**31 - 1  # int32 counts
@@ -71,3 +74,21 @@ def top_counts(scores: jax.Array, counts: jax.Array) -> jax.Array:
     places = jnp.broadcast_to(jnp.arange(M, dtype=jnp.int32), flat.shape)
     ranks = jnp.zeros_like(places).at[rows, order].set(places, unique_indices=True)  # the inverse permutation
     return ranks.reshape(scores.shape) < counts[..., None]
+
+
+def select_top(scores: jax.Array, counts: jax.Array, axes: tuple[int, ...]) -> jax.Array:
+    """keep (bool, shaped as scores [L, B, K, n]): per row the counts highest along `axes` (counts: scores' shape
+    with size 1 on `axes`), ties broken by the lower row-major index over `axes`.
+
+    Under a mesh (jax.set_mesh) this is the exact distributed selection (sharding.select: no gather of the scores,
+    the scores laid out (-, data, tensor, seq)); otherwise a stable sort (top_counts). Both keep the same pairs.
+    """
+    mesh = current_mesh()
+    if mesh is not None:
+        return top_counts_sharded(scores, counts, axes, mesh, spec_for(mesh, SCORES, scores.shape))
+    order = tuple(d for d in range(scores.ndim) if d not in axes) + tuple(axes)  # rows first, competing last
+    moved = scores.transpose(order)
+    row_shape = moved.shape[:scores.ndim - len(axes)]
+    row_counts = jnp.broadcast_to(counts, [1 if d in axes else n for d, n in enumerate(scores.shape)])
+    keep = top_counts(moved.reshape(row_shape + (-1,)), row_counts.transpose(order).reshape(row_shape))
+    return keep.reshape(moved.shape).transpose(tuple(np.argsort(order)))

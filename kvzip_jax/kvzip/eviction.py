@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvzip_jax.kvzip.budget import check_candidates, check_ratio, kept_count, top_counts
+from kvzip_jax.kvzip.budget import check_candidates, check_ratio, kept_count, select_top, top_counts
 
 LEVELS = ("pair", "pair-uniform", "layer", "head")
 
@@ -41,16 +41,13 @@ def keep_mask(scores: jax.Array, context_len: jax.Array, ratio, level: str = "pa
     check_candidates(L * K * n)
     in_context = jnp.arange(n) < context_len[:, None]  # [B, n]
     scores = jnp.where(in_context[None, :, None, :], scores.astype(jnp.float32), -jnp.inf)
-    ctx = context_len.astype(jnp.int32)  # [B]
-    if level == "pair":
-        flat = scores.transpose(1, 0, 2, 3).reshape(B, L * K * n)  # [B, L K n]
-        keep = top_counts(flat, kept_count(ratio, L * K * ctx)).reshape(B, L, K, n).transpose(1, 0, 2, 3)
-    elif level == "pair-uniform":
-        keep = top_counts(scores, jnp.broadcast_to(kept_count(ratio, ctx)[None, :, None], (L, B, K)))
-    elif level == "layer":
-        per_layer = scores.reshape(L, B, K * n)
-        keep = top_counts(per_layer, jnp.broadcast_to(kept_count(ratio, K * ctx)[None, :], (L, B)))
-        keep = keep.reshape(L, B, K, n)
+    ctx = context_len.astype(jnp.int32)[None, :, None, None]  # [1, B, 1, 1]
+    if level == "pair":  # one budget per row over (L, K, n)
+        keep = select_top(scores, kept_count(ratio, L * K * ctx), (0, 2, 3))
+    elif level == "pair-uniform":  # one per (layer, row, head) over n
+        keep = select_top(scores, jnp.broadcast_to(kept_count(ratio, ctx), (L, B, K, 1)), (3,))
+    elif level == "layer":  # one per (layer, row) over (K, n)
+        keep = select_top(scores, jnp.broadcast_to(kept_count(ratio, K * ctx), (L, B, 1, 1)), (2, 3))
     else:
         head = scores.max(axis=-1).transpose(1, 0, 2).reshape(B, L * K)  # [B, L K]
         kept_heads = top_counts(head, jnp.broadcast_to(kept_count(ratio, L * K), (B,))).reshape(B, L, K)

@@ -17,6 +17,8 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models import attention, layers
 from kvzip_jax.models.params import layer_name, param_shapes
+from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
+from kvzip_jax.sharding.rules import constrain_cache
 from pallas_kernels import decode_attention, ragged_decode, resolve_impl
 from pallas_kernels.dispatch import supports_head_dim
 
@@ -54,8 +56,9 @@ class Block(nn.Module):
             q = layers.rms_norm(q, p("q_norm"), cfg.rms_norm_eps)
             k = layers.rms_norm(k, p("k_norm"), cfg.rms_norm_eps)
         inv_freq = layers.rope_inv_freq(cfg.rope_for(i), H)
-        q = layers.apply_rope(q, positions, inv_freq)
-        k = layers.apply_rope(k, positions, inv_freq)
+        q = constrain(layers.apply_rope(q, positions, inv_freq), DATA, None, TENSOR, None)  # heads on tensor
+        k = constrain(layers.apply_rope(k, positions, inv_freq), DATA, None, TENSOR, None)
+        v = constrain(v, DATA, None, TENSOR, None)
 
         filled = layer_cache.lengths  # [B, K] slots in use before this step
         k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
@@ -78,7 +81,7 @@ class Block(nn.Module):
         ffn = layers.mlp(h, p("gate_up"), p("down"), cfg.activation)
         if cfg.sandwich_norms:
             ffn = layers.rms_norm(ffn, p("post_mlp_norm"), cfg.rms_norm_eps)
-        return x + ffn, layer_cache, observed
+        return constrain(x + ffn, DATA, None, None), layer_cache, observed
 
     def _attend_written(self, q, layer_cache, query_slots, window):
         """Attention over a cache that already holds this step's keys -> out [B, T, K, G, H]."""
@@ -153,7 +156,7 @@ class Transformer(nn.Module):
             x, layer_cache, obs = Block(cfg, i, self.observer, name=layer_name(i))(x, positions, layer_cache, num_new)
             new_layers.append(layer_cache)
             observed.append(obs)
-        new_cache = kv.KVCache(layers=tuple(new_layers), next_position=cache.next_position + num_new)
+        new_cache = constrain_cache(kv.KVCache(layers=tuple(new_layers), next_position=cache.next_position + num_new))
         aux: dict[str, Any] = {"observed": tuple(observed)} if self.observer is not None else {}
 
         if self.logits is None:

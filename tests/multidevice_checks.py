@@ -1,0 +1,155 @@
+"""Sharded runs against the unsharded one, on 8 simulated CPU devices. Run by tests/test_sharding.py in a
+subprocess (the test process has already started JAX with one device):
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/multidevice_checks.py 2,1,4 1,2,4 ...
+
+Prints one line "ok MESH" per mesh (data, seq, tensor); an AssertionError otherwise.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax import kvzip, sharding
+from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.kvzip.eviction import keep_mask
+from kvzip_jax.kvzip.scoring import RereadInputs
+from kvzip_jax.models.params import init_params
+
+CFG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
+                  head_dim=16, intermediate_size=96, rms_norm_eps=1e-6, max_position=512,
+                  rope=RopeSpec(theta=1000.0), qkv_bias=True)
+B, PREFIX, CONTEXT, CAPACITY, CHUNK, STEPS, RATIO = 8, 4, 45, 128, 32, 16, 0.3
+ATOL = 1e-5
+
+
+def inputs():
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, 128, (B, PREFIX))
+    lengths = CONTEXT - np.arange(B) % 3 * 7  # rows of different lengths
+    contexts = [rng.integers(3, 128, n) for n in lengths]
+    return [np.concatenate([p, c]) for p, c in zip(prefix, contexts)], contexts
+
+
+def reread(contexts) -> RereadInputs:
+    """Chunks of CHUNK context tokens, each reread after a fixed 6-token prompt (a stand-in for the reread prompt)."""
+    chunks = -(-max(len(c) for c in contexts) // CHUNK)
+    prompt = np.arange(6) + 100
+    width = 64
+    tokens = np.zeros((chunks, B, width), np.int32)
+    num_valid, chunk_len = np.zeros((chunks, B), np.int32), np.zeros((chunks, B), np.int32)
+    for t in range(chunks):
+        for b, c in enumerate(contexts):
+            piece = c[t * CHUNK:(t + 1) * CHUNK]
+            tokens[t, b, :6 + len(piece)] = np.concatenate([prompt, piece])
+            num_valid[t, b], chunk_len[t, b] = 6 + len(piece), len(piece)
+    starts = PREFIX + CHUNK * np.arange(chunks)[:, None] + np.zeros((1, B), int)
+    return RereadInputs(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid),
+                        chunk_start=jnp.asarray(starts, jnp.int32), chunk_len=jnp.asarray(chunk_len),
+                        prefix_len=jnp.full((B,), PREFIX, jnp.int32),
+                        context_len=jnp.asarray([len(c) for c in contexts], jnp.int32), chunk_size=CHUNK)
+
+
+def run(params, mesh=None):
+    """(prefill logits, scores, keep, decode logits [STEPS, B, V], greedy tokens, caches) on `mesh` or one device."""
+    rows, contexts = inputs()
+    empty = kv.init_cache(CFG, B, CAPACITY)
+    if mesh is not None:
+        params, empty = sharding.shard_params(params, CFG, mesh), sharding.shard_cache(empty, mesh)
+    with jax.set_mesh(mesh) if mesh is not None else _nothing():
+        logits, cache = gen.prefill(params, CFG, rows, empty, chunk=32)
+        masked, scores = jax.jit(kvzip.score_and_evict)(params, CFG, cache, reread(contexts), RATIO)
+        keep = jnp.stack([layer.keep for layer in masked.layers])
+        step_logits, fed, tokens = [], masked, []
+        token = jnp.argmax(logits, -1).astype(jnp.int32)
+        for _ in range(STEPS):  # greedy decode, one jitted step at a time
+            out, fed = gen.forward_step(params, token[:, None], jnp.ones((B,), jnp.int32), fed, CFG)
+            step_logits.append(out[:, 0])
+            token = jnp.argmax(out[:, 0], -1).astype(jnp.int32)
+            tokens.append(token)
+    return dict(prefill=logits, scores=scores, keep=keep, decode=jnp.stack(step_logits), tokens=jnp.stack(tokens),
+                cache=cache, masked=fed, params=params)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+def close(a, b, what):
+    a, b = np.asarray(a), np.asarray(b)
+    finite = np.isfinite(b)
+    assert (np.isfinite(a) == finite).all(), f"{what}: different infinities"
+    err = np.abs(a[finite] - b[finite]).max(initial=0)
+    assert err <= ATOL, f"{what}: max abs difference {err:.2e} > {ATOL}"
+
+
+def spec(x):
+    return tuple(s for s in x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+
+
+def check_mesh(shape, reference, params):
+    mesh = sharding.make_mesh(*shape)
+    got = run(params, mesh)
+    close(got["prefill"], reference["prefill"], "prefill logits")
+    close(got["scores"], reference["scores"], "scores")
+    assert (np.asarray(got["keep"]) == np.asarray(reference["keep"])).all(), "kept masks differ"
+    close(got["decode"], reference["decode"], "decode logits")
+    assert (np.asarray(got["tokens"]) == np.asarray(reference["tokens"])).all(), "greedy tokens differ"
+
+    # Layouts: params by the rules, caches and scores as laid out by the rules.
+    want = sharding.param_shardings(CFG, mesh)
+    for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want)):
+        assert x.sharding.is_equivalent_to(w, x.ndim), f"{jax.tree_util.keystr(path)}: {x.sharding} != {w}"
+    for name in ("cache", "masked"):
+        for x, w in zip(jax.tree.leaves(got[name]), jax.tree.leaves(sharding.cache_shardings(got[name], mesh))):
+            assert x.sharding.is_equivalent_to(w, x.ndim), f"{name}: {x.sharding.spec} != {w.spec}"
+    s = got["scores"]
+    assert s.sharding.is_equivalent_to(sharding.scores_sharding(s.shape, mesh), s.ndim), s.sharding
+
+    # Parameter bytes per device: total / tensor, up to the replicated norms and biases.
+    held = sharding.bytes_per_device(got["params"])
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    tensor = shape[2]
+    assert len(held) == mesh.size and max(held.values()) <= 1.03 * total / tensor, (max(held.values()), total)
+    check_ties(mesh)
+    print("ok", ",".join(map(str, shape)), flush=True)
+
+
+def check_ties(mesh):
+    """The distributed selection keeps what the sort keeps on random, tie-heavy and all-equal scores."""
+    rng = np.random.default_rng(1)
+    L, n = 3, 64
+    context_len = jnp.asarray(n - rng.integers(0, 20, B), jnp.int32)
+    cases = {"random": rng.random((L, B, 4, n)), "ties": rng.integers(0, 3, (L, B, 4, n)) / 2,
+             "equal": np.ones((L, B, 4, n))}
+    for name, s in cases.items():
+        s = jnp.asarray(s, jnp.float32)
+        for level in ("pair", "pair-uniform", "layer"):
+            for ratio in (0.01, 0.3, 0.77, 1.0):
+                want = keep_mask(s, context_len, ratio, level)
+                placed = jax.device_put(s, sharding.scores_sharding(s.shape, mesh))
+                with jax.set_mesh(mesh):
+                    got = jax.jit(keep_mask, static_argnums=(3,))(placed, context_len, ratio, level)
+                assert (np.asarray(got) == np.asarray(want)).all(), f"selection differs: {name} {level} {ratio}"
+
+
+def main(meshes):
+    assert jax.device_count() >= 8, jax.devices()
+    params = init_params(CFG, seed=0)
+    reference = run(params)
+    for shape in meshes:
+        check_mesh(tuple(int(n) for n in shape.split(",")), reference, params)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
