@@ -1,0 +1,143 @@
+"""Long context on this CPU: prefill and KVzip scoring of 8K-32K tokens in bounded memory and compile time.
+
+    python bench/long_context.py [--tokens 8192 16384 32768] [--ratio 0.3] [--chunk 2048]
+
+Qwen2.5-Coder-0.5B-Instruct (float32, its maximum context is 32,768), one multi_needle context per length (four
+planted "special magic number" facts in generated prose, the eval task), each length in a fresh process so its peak
+memory is its own. Per length:
+  - prefill wall time (its chunk program compiled once, included) and that compile alone (AOT, same shapes);
+  - KVzip scoring: compile time (AOT; the reread chunks run in lax.map, so it should stay flat with the context)
+    and execution time;
+  - scoring's extra memory: peak resident set during the scoring call minus the resident set just before it,
+    sampled every 2 ms, beside the cache's bytes and the memory planner's estimate (sharding.memory.plan);
+  - the four facts asked of the full cache and of KVzip at --ratio (right answers out of 4).
+Writes bench/results/long-context.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(tokens: int, ratio: float, chunk: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvzip_jax import cache as kv
+    from kvzip_jax import generate as gen
+    from kvzip_jax import kvzip, prompts
+    from kvzip_jax.eval import metrics, tasks
+    from kvzip_jax.kvzip.scoring import reread_inputs
+    from kvzip_jax.sharding import memory
+    from kvzip_jax.weights import registry
+
+    model = registry.load(registry.QWEN, dtype="float32")
+    tok, cfg, params = model.tokenizer, model.cfg, model.params
+    count = lambda text: len(tok.encode(text, add_special_tokens=False))
+    example = tasks.generate("multi_needle", 1, seed=0, context_tokens=tokens - 256, count_tokens=count)[0]
+    prompt, suffixes = prompts.split_for_reuse(tok, example.context, example.questions,
+                                               instruction=prompts.named_instruction("kvzip"))
+    ids = np.asarray(prompt.tokens, np.int32)
+    capacity = gen.capacity_for(len(ids) + 128, cfg)
+    out = dict(tokens=len(ids), context=prompt.context_end - prompt.context_start, capacity=capacity)
+
+    empty = kv.init_cache(cfg, 1, capacity)
+    width = min(chunk, gen.bucket(len(ids)))
+    start = time.perf_counter()
+    gen.forward_step.lower(params, jnp.zeros((1, width), jnp.int32), jnp.ones((1,), jnp.int32), empty, cfg).compile()
+    out["prefill_compile_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    _, cache = gen.prefill(params, cfg, [ids], empty, chunk=chunk)
+    jax.block_until_ready(cache)
+    out["prefill_s"] = time.perf_counter() - start
+    out["cache_bytes"] = kv.nbytes(cache)
+
+    reread = reread_inputs(tok, [prompt.context_start], [ids[prompt.context_start:prompt.context_end]], chunk)
+    start = time.perf_counter()
+    compiled = jax.jit(kvzip.score_and_evict).lower(params, cfg, cache, reread, ratio).compile()
+    out["score_compile_s"] = time.perf_counter() - start
+    jax.block_until_ready(cache)
+    memory_before = memory.process_memory()
+    peak, done = [memory_before], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], memory.process_memory())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    start = time.perf_counter()
+    masked, scores = compiled(params, cfg, cache, reread, ratio)
+    jax.block_until_ready((masked, scores))
+    out["score_s"] = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    out["score_extra_bytes"] = peak[0] - memory_before
+    # The scoring call returns a masked copy of the cache (keep mask included): its bytes are output, not workspace.
+    out["masked_output_bytes"] = kv.nbytes(masked)
+    planned = memory.plan(cfg, jnp.float32, out["context"] + prompt.context_start, 1, None, chunk, capacity=capacity)
+    out["planned_workspace_bytes"] = planned.workspace + planned.scores
+    del scores
+
+    stops = prompts.stop_token_ids(tok)
+    right = {"full": 0, "kvzip": 0}
+    for suffix, refs in zip(suffixes, example.answers):
+        for name in right:
+            answer, kept = gen.ask(params, cfg, cache if name == "full" else masked, suffix, example.max_new_tokens,
+                                   stop_tokens=stops)
+            if name == "full":
+                cache = kept
+            else:
+                masked = kept
+            right[name] += int(metrics.score(example.metric, tok.decode(answer, skip_special_tokens=True), refs) > 0)
+    out.update(right_full=right["full"], right_kvzip=right["kvzip"], questions=len(suffixes))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--ratio", type=float, default=0.3)
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one length, JSON out
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(args.one, args.ratio, args.chunk)), flush=True)
+        return
+    rows = []
+    for tokens in args.tokens:
+        child = subprocess.run([sys.executable, __file__, "--one", str(tokens), "--ratio", str(args.ratio),
+                                "--chunk", str(args.chunk)], capture_output=True, text=True)
+        if child.returncode:
+            sys.exit(f"{tokens} tokens failed:\n{child.stderr[-3000:]}")
+        rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
+        print(rows[-1], flush=True)
+    MiB = 1 << 20
+    lines = [f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, reread chunk {args.chunk}, KVzip at {args.ratio}",
+             "| tokens | prefill s | prefill compile s | scoring s | scoring compile s | cache MiB | scoring extra MiB "
+             "(% of cache) | planned MiB | facts right full / KVzip |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['tokens']:,} | {r['prefill_s']:.0f} | {r['prefill_compile_s']:.1f} | {r['score_s']:.0f} | "
+            f"{r['score_compile_s']:.1f} | {r['cache_bytes'] / MiB:.0f} | {r['score_extra_bytes'] / MiB:.0f} "
+            f"({100 * r['score_extra_bytes'] / r['cache_bytes']:.1f}%) | {r['planned_workspace_bytes'] / MiB:.0f} | "
+            f"{r['right_full']} / {r['right_kvzip']} of {r['questions']} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = ROOT / "bench" / "results" / "long-context.txt"
+    out.write_text(text + "\n" + "\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""What a run needs per device, before anything is allocated: params, the cache, and the largest working set of
+a prefill chunk or a KVzip reread chunk.
+
+    need = memory.plan(cfg, dtype, context_tokens=32768, batch=1, mesh=mesh, chunk=2048)
+    memory.check(need)           # MemoryPlanError, naming the largest part, when it cannot fit the device
+
+Estimates in bytes per device (the most loaded one), from shapes alone:
+  params      every parameter's shard (the partition rules)
+  cache       L layers x K and V [B/data, K/tensor, C/seq, H] in the cache dtype, plus the keep mask (1 byte a slot)
+  scores      KVzip scores [L, B, K, n] float32 over (data, tensor, seq), held until eviction
+  workspace   one chunk forward in float32: the residual stream and its norm [B, T, D], the fused projections
+              [B, T, (N + 2K) H] and [B, T, 2F] and the MLP's product [B, T, F] (projection widths over tensor),
+              the online-softmax blocks of attention (attention.BLOCK_ELEMENTS per KV head) and the last-token logits
+Sharded dimensions divide their size (a dimension the axis does not divide stays whole). Activations, chunk width and
+XLA's own buffers make this an estimate: bench/long_context.py prints it beside the measured peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import jax
+import numpy as np
+
+from kvzip_jax.config import ModelConfig
+from kvzip_jax.errors import KvzipError
+from kvzip_jax.models.attention import BLOCK_ELEMENTS
+from kvzip_jax.models.params import param_shapes
+from kvzip_jax.sharding.mesh import DATA, SEQ, TENSOR, axis_size, check_mesh, spec_for
+from kvzip_jax.sharding.rules import param_spec
+
+GiB = 1 << 30
+PARTS = ("params", "cache", "scores", "workspace")
+
+
+class MemoryPlanError(KvzipError, MemoryError):
+    """A run that would not fit the devices' memory (raised before anything is allocated)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of each part."""
+
+    params: int
+    cache: int
+    scores: int
+    workspace: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.cache + self.scores + self.workspace
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {getattr(self, name) / GiB:.2f}" for name in PARTS)
+        return f"{self.total / GiB:.2f} GiB per device ({parts})"
+
+
+def _shard(mesh, axes, shape) -> int:
+    """Elements of the largest shard of an array of `shape` laid out over `axes`."""
+    spec = spec_for(mesh, axes, shape) if mesh is not None else (None,) * len(shape)
+    return math.prod(-(-dim // (axis_size(mesh, name) if name else 1)) for dim, name in zip(shape, spec))
+
+
+def plan(cfg: ModelConfig, dtype, context_tokens: int, batch: int = 1, mesh=None, chunk: int = 2048,
+         capacity: int | None = None, scoring: bool = True) -> MemoryPlan:
+    """The per-device bytes of prefilling `context_tokens` for `batch` rows (cache of `capacity` slots, default
+    the context rounded up to 64) and, with scoring, of KVzip's scores and reread chunks."""
+    if mesh is not None:
+        check_mesh(cfg, mesh)
+    item = np.dtype(dtype).itemsize
+    params = sum(_param_shard(name, shape, mesh) * item for name, shape in _flat_shapes(cfg))
+    C = capacity or -(-context_tokens // 64) * 64
+    B, K, H, L = batch, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    slots = _shard(mesh, (DATA, TENSOR, SEQ), (B, K, C))
+    cache = L * (2 * slots * H * item + slots)
+    scores = 4 * L * _shard(mesh, (DATA, TENSOR, SEQ), (B, K, C)) if scoring else 0
+    T = min(chunk, context_tokens) + (64 if scoring else 0)  # a reread chunk carries its prompt
+    rows = _shard(mesh, (DATA, None), (B, T))
+    width = lambda n: _shard(mesh, (TENSOR,), (n,))
+    N, D, F = cfg.num_heads, cfg.hidden_size, cfg.intermediate_size
+    activations = rows * (2 * D + width((N + 2 * K) * H) + width(2 * F) + width(F))
+    attention = _shard(mesh, (DATA, TENSOR), (B, K)) * BLOCK_ELEMENTS
+    workspace = 4 * (activations + attention + _shard(mesh, (DATA, None), (B, cfg.vocab_size)))
+    return MemoryPlan(params, cache, scores, workspace)
+
+
+def _flat_shapes(cfg: ModelConfig):
+    def walk(tree, prefix):
+        for key, value in tree.items():
+            name = f"{prefix}/{key}" if prefix else key
+            yield from walk(value, name) if isinstance(value, dict) else [(name, value)]
+    return list(walk(param_shapes(cfg), ""))
+
+
+def _param_shard(name: str, shape, mesh) -> int:
+    if mesh is None:
+        return math.prod(shape)
+    spec = tuple(param_spec(name, shape, mesh)) + (None,) * len(shape)
+    return math.prod(-(-dim // (axis_size(mesh, n) if n else 1)) for dim, n in zip(shape, spec))
+
+
+def device_memory() -> int | None:
+    """Bytes one local device can hold: the accelerator's limit, or on CPU the host's available memory shared by
+    its (simulated) devices; None when unknown."""
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024 // max(len(jax.local_devices()), 1)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check(need: MemoryPlan, available: int | None = None, headroom: float = 0.9) -> MemoryPlan:
+    """need, or MemoryPlanError when its total exceeds `headroom` x `available` bytes per device (default: what
+    device_memory finds; nothing is checked when that is unknown)."""
+    available = device_memory() if available is None else available
+    if available is not None and need.total > headroom * available:
+        largest = max(PARTS, key=lambda n: getattr(need, n))
+        raise MemoryPlanError(
+            f"this run needs {need.describe()} of {available / GiB:.2f} GiB available; the largest part is the "
+            f"{largest}. Shard it (a mesh with more tensor or seq devices), use bfloat16, a shorter context or a "
+            f"smaller batch or chunk")
+    return need
+
+
+def process_memory() -> int:
+    """Resident bytes of this process now (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
