@@ -246,7 +246,7 @@ def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
 
 
 def _pack_layer(layer, offsets: jax.Array, size: int, block: int) -> RaggedLayerCache:
-    visible = _visible(layer)  # [B, K, C]
+    visible = visible_slots(layer)  # [B, K, C]
     B = visible.shape[0]
     rank = jnp.cumsum(visible, axis=-1, dtype=jnp.int32) - 1  # [B, K, C] place of each kept slot in its segment
     slots = jnp.where(visible, offsets[..., None] + rank, size)  # evicted and empty slots aim past the end
@@ -271,7 +271,7 @@ def _defragment_layer(layer):
         raise TypeError("defragment takes dense (masked) layers; a ragged layer stores only its kept pairs already")
     if layer.keep is None:
         return layer
-    visible = _visible(layer)  # [B, K, C]
+    visible = visible_slots(layer)  # [B, K, C]
     # A stable order that puts the visible slots first: slot index, offset by C for the others.
     order = jnp.argsort(jnp.where(visible, 0, layer.capacity) + jnp.arange(layer.capacity), axis=-1)  # [B, K, C]
     gather = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
@@ -297,11 +297,11 @@ def grown(cache: KVCache, extra: int) -> KVCache:
 
 def kept_per_head(cache: KVCache) -> jax.Array:
     """[L, B, K] visible filled slots of every head (what pack needs room for)."""
-    return jnp.stack([_visible(layer).sum(-1) if isinstance(layer, LayerCache) else layer.lengths
+    return jnp.stack([visible_slots(layer).sum(-1) if isinstance(layer, LayerCache) else layer.lengths
                       for layer in cache.layers]).astype(jnp.int32)
 
 
-def _visible(layer: LayerCache) -> jax.Array:
+def visible_slots(layer: LayerCache) -> jax.Array:
     """[B, K, C] bool: filled slots that are not evicted."""
     visible = jnp.arange(layer.capacity) < layer.lengths[..., None]
     return visible if layer.keep is None else visible & layer.keep

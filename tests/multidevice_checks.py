@@ -21,6 +21,7 @@ from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.kvzip.scoring import RereadInputs
 from kvzip_jax.models.params import init_params
+from kvzip_jax.sharding import segments
 
 CFG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
                   head_dim=16, intermediate_size=96, rms_norm_eps=1e-6, max_position=512,
@@ -66,15 +67,23 @@ def run(params, mesh=None):
         logits, cache = gen.prefill(params, CFG, rows, empty, chunk=32)
         masked, scores = jax.jit(kvzip.score_and_evict)(params, CFG, cache, reread(contexts), RATIO)
         keep = jnp.stack([layer.keep for layer in masked.layers])
-        step_logits, fed, tokens = [], masked, []
-        token = jnp.argmax(logits, -1).astype(jnp.int32)
-        for _ in range(STEPS):  # greedy decode, one jitted step at a time
-            out, fed = gen.forward_step(params, token[:, None], jnp.ones((B,), jnp.int32), fed, CFG)
-            step_logits.append(out[:, 0])
-            token = jnp.argmax(out[:, 0], -1).astype(jnp.int32)
-            tokens.append(token)
-    return dict(prefill=logits, scores=scores, keep=keep, decode=jnp.stack(step_logits), tokens=jnp.stack(tokens),
-                cache=cache, masked=fed, params=params)
+        packed = segments.pack_segments(masked, room=STEPS, mesh=mesh)
+        first = jnp.argmax(logits, -1).astype(jnp.int32)
+        decoded, tokens, fed = greedy(params, first, masked)
+        decoded_packed, _, fed_packed = greedy(params, first, packed)
+    return dict(prefill=logits, scores=scores, keep=keep, decode=decoded, tokens=tokens, decode_packed=decoded_packed,
+                cache=cache, masked=fed, packed=fed_packed, params=params)
+
+
+def greedy(params, token, cache):
+    """STEPS greedy steps, one jitted step at a time -> (logits [STEPS, B, V], tokens [STEPS, B], cache)."""
+    step_logits, tokens = [], []
+    for _ in range(STEPS):
+        out, cache = gen.forward_step(params, token[:, None], jnp.ones((B,), jnp.int32), cache, CFG)
+        step_logits.append(out[:, 0])
+        token = jnp.argmax(out[:, 0], -1).astype(jnp.int32)
+        tokens.append(token)
+    return jnp.stack(step_logits), jnp.stack(tokens), cache
 
 
 class _nothing:
@@ -104,13 +113,15 @@ def check_mesh(shape, reference, params):
     close(got["scores"], reference["scores"], "scores")
     assert (np.asarray(got["keep"]) == np.asarray(reference["keep"])).all(), "kept masks differ"
     close(got["decode"], reference["decode"], "decode logits")
+    close(got["decode_packed"], reference["decode"], "decode logits over the cache packed per seq segment")
+    assert got["packed"].capacity < got["masked"].capacity, (got["packed"].capacity, got["masked"].capacity)
     assert (np.asarray(got["tokens"]) == np.asarray(reference["tokens"])).all(), "greedy tokens differ"
 
     # Layouts: params by the rules, caches and scores as laid out by the rules.
     want = sharding.param_shardings(CFG, mesh)
     for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want)):
         assert x.sharding.is_equivalent_to(w, x.ndim), f"{jax.tree_util.keystr(path)}: {x.sharding} != {w}"
-    for name in ("cache", "masked"):
+    for name in ("cache", "masked", "packed"):
         for x, w in zip(jax.tree.leaves(got[name]), jax.tree.leaves(sharding.cache_shardings(got[name], mesh))):
             assert x.sharding.is_equivalent_to(w, x.ndim), f"{name}: {x.sharding.spec} != {w.spec}"
     s = got["scores"]
@@ -147,6 +158,7 @@ def main(meshes):
     assert jax.device_count() >= 8, jax.devices()
     params = init_params(CFG, seed=0)
     reference = run(params)
+    close(reference["decode_packed"], reference["decode"], "decode over the packed cache, one device")
     for shape in meshes:
         check_mesh(tuple(int(n) for n in shape.split(",")), reference, params)
 
