@@ -7,6 +7,7 @@
         masked, scores = jax.jit(kvzip.score_and_evict)(params, cfg, cache, reread, 0.3)   # same masks as one device
 """
 
+from kvzip_jax.sharding import memory, segments
 from kvzip_jax.sharding.mesh import (
     AXES,
     DATA,
@@ -34,5 +35,6 @@ from kvzip_jax.sharding.rules import (
 from kvzip_jax.sharding.select import top_counts_sharded
 
 __all__ = ["AXES", "DATA", "SEQ", "TENSOR", "MeshError", "batch_multiple", "bytes_per_device", "cache_shardings",
-           "check_mesh", "constrain", "constrain_cache", "current_mesh", "data_mesh", "make_mesh", "param_shardings", "param_spec",
-           "replicated", "scores_sharding", "shard_cache", "shard_params", "top_counts_sharded"]
+           "check_mesh", "constrain", "constrain_cache", "current_mesh", "data_mesh", "make_mesh", "memory",
+           "param_shardings", "param_spec", "replicated", "scores_sharding", "segments", "shard_cache", "shard_params",
+           "top_counts_sharded"]
