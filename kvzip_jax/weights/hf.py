@@ -1,4 +1,5 @@
-"""HF safetensors folders -> ModelConfig and the parameter tree of params.py (source precision), without torch.
+"""HF safetensors folders -> ModelConfig and the parameter tree of params.py (source precision, or a dtype asked for;
+on the host, or placed onto a device mesh parameter by parameter), without torch.
 
 Reads `model.safetensors`, or the shards listed in `model.safetensors.index.json`, with safe_open(framework="numpy")
 (bf16 comes back through ml_dtypes). HF linear weights are [out, in]; assemble.py transposes and fuses them.
@@ -19,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ModelFileError, WeightShapeError
-from kvzip_jax.weights.assemble import SourceTensor, Slot, assemble_params
+from kvzip_jax.weights.assemble import Slot, SourceTensor, assemble_params, placer
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -113,11 +114,14 @@ def _slot(cfg: ModelConfig, key: str, prefix: str) -> Slot | None:
     return Slot((f"layers_{int(match.group(1))}", param), part)
 
 
-def params_from_hf(folder: str | Path) -> tuple[ModelConfig, dict]:
-    """(config, numpy parameter tree in the source's precision) from an HF folder: config.json + safetensors
-    (single or sharded)."""
+def params_from_hf(folder: str | Path, dtype=None, mesh=None) -> tuple[ModelConfig, dict]:
+    """(config, parameter tree) from an HF folder: config.json + safetensors (single or sharded), read lazily one
+    tensor at a time. dtype: every parameter's (None: the source's precision, dtypes.storage). mesh: None gives numpy
+    arrays on the host; a (data, seq, tensor) mesh gives jax arrays laid out by sharding.param_shardings, each
+    parameter placed on its devices as soon as it is fused, so the host never holds more than one parameter."""
     folder = Path(folder)
     cfg = ModelConfig.from_hf(folder)
+    place = placer(cfg, dtype, mesh)  # a mesh the model does not fit fails here, before any read
     found = _read_all(safetensors_files(folder))
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in found) else "model."
     multimodal = prefix == "model.language_model."
@@ -138,4 +142,4 @@ def params_from_hf(folder: str | Path) -> tuple[ModelConfig, dict]:
     if unexpected:
         raise WeightShapeError(f"unexpected tensor(s) in {folder}: {', '.join(sorted(unexpected)[:12])}"
                                + (" ..." if len(unexpected) > 12 else ""))
-    return cfg, assemble_params(cfg, tensors)
+    return cfg, assemble_params(cfg, tensors, place)

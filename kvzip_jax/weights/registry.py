@@ -17,8 +17,7 @@ from typing import Any
 
 import jax
 
-
-from kvzip_jax import dtypes
+from kvzip_jax import dtypes, sharding
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ChecksumError, ModelFileError
 from kvzip_jax.weights.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
@@ -131,28 +130,39 @@ def bundled_gguf(name: str, checkpoints_dir: str | Path | None = None) -> Path:
 
 
 def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out: str | Path,
-            overwrite: bool = False, dtype: str = dtypes.SOURCE) -> Path:
+            overwrite: bool = False, dtype: str = dtypes.SOURCE, mesh=None) -> Path:
     """Converts an HF folder or a GGUF file into a checkpoint folder `out` (params/, config.json, tokenizer/).
-    dtype: "source" keeps the source's precision (dtypes.storage), or "float32" / "bfloat16" for every tensor."""
+    dtype: "source" keeps the source's precision (dtypes.storage), or "float32" / "bfloat16" for every tensor.
+    mesh: a (data, seq, tensor) mesh to convert onto (sharding.make_mesh): an HF folder is read one tensor at a time
+    and each parameter placed on its devices as soon as it is fused, so neither the host nor one device ever holds
+    the whole model; None: on this host."""
     if (hf is None) == (gguf is None):
         raise ValueError("give exactly one of hf= or gguf=")
+    target = None if dtype == dtypes.SOURCE else dtypes.resolve(dtype)
     # The tokenizer first: a source without one fails before the slow weight conversion.
     if hf is not None:
         tokenizer = tokenizer_from_hf(hf)
-        cfg, params = params_from_hf(hf)
+        cfg, params = params_from_hf(hf, target, mesh)
     else:
         tokenizer = tokenizer_from_gguf(gguf)
         cfg, params = params_from_gguf(gguf)
-    if dtype != dtypes.SOURCE:
-        target = dtypes.resolve(dtype)
-        params = jax.tree.map(lambda a: a.astype(target), params)
+        params = _placed(params, cfg, target, mesh)
     return save_checkpoint(out, cfg, params, tokenizer, overwrite=overwrite)
 
 
-def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dtype="auto") -> LoadedModel:
+def _placed(params: dict, cfg: ModelConfig, dtype, mesh) -> dict:
+    """A host parameter tree cast to dtype (None: kept) and, given a mesh, sharded onto it."""
+    if dtype is not None:
+        params = jax.tree.map(lambda a: a.astype(dtype), params)
+    return params if mesh is None else sharding.shard_params(params, cfg, mesh)
+
+
+def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dtype="auto", mesh=None) -> LoadedModel:
     """A bundled model by name (converted into <checkpoints_dir>/<name>/ on first use), or a path: a converted
     checkpoint folder, an HF folder (config.json + safetensors) or a .gguf file. dtype: "auto" (bfloat16 on GPU and
-    TPU, float32 on CPU), "float32" or "bfloat16"; the params come in it, whatever precision the files store."""
+    TPU, float32 on CPU), "float32" or "bfloat16"; the params come in it, whatever precision the files store.
+    mesh: a (data, seq, tensor) mesh the params are laid out on (sharding.param_shardings), each device reading only
+    its shards from a checkpoint or an HF folder; None: one device."""
     dtype = dtypes.resolve(dtype)
     if str(name_or_path) in BUNDLED:
         name = str(name_or_path)
@@ -163,16 +173,17 @@ def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dt
             except ModelFileError:
                 if not is_checkpoint(directory):  # else a concurrent loader converted it first
                     raise
-        return LoadedModel(name, *load_checkpoint(directory, dtype))
+        return LoadedModel(name, *load_checkpoint(directory, dtype, mesh))
     path = Path(name_or_path)
     if is_checkpoint(path):
-        return LoadedModel(path.name, *load_checkpoint(path, dtype))
+        return LoadedModel(path.name, *load_checkpoint(path, dtype, mesh))
     if path.is_dir() and (path / "config.json").is_file():
-        cfg, params = params_from_hf(path)
+        cfg, params = params_from_hf(path, dtype, mesh)
         return LoadedModel(path.name, cfg, dtypes.cast_params(params, dtype), tokenizer_from_hf(path))
     if path.is_file():
         cfg, params = params_from_gguf(path)
-        return LoadedModel(path.stem, cfg, dtypes.cast_params(params, dtype), tokenizer_from_gguf(path))
+        return LoadedModel(path.stem, cfg, dtypes.cast_params(_placed(params, cfg, dtype, mesh), dtype),
+                           tokenizer_from_gguf(path))
     raise ModelFileError(f"{name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint "
                          "folder, an HF folder or a GGUF file")
 
