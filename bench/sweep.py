@@ -19,7 +19,8 @@ from pathlib import Path
 
 import jax
 
-from kvzip_jax.eval import sharding, tasks
+from kvzip_jax import sharding
+from kvzip_jax.eval import tasks
 from kvzip_jax.eval.sweep import SweepConfig, run_sweep
 from kvzip_jax.weights import registry
 
@@ -49,7 +50,7 @@ def main() -> None:
     model = registry.load_random(args.model) if args.random_weights else registry.load(args.model)
     examples = tasks.generate(args.task, args.contexts, 0, args.context_tokens)
     common = dict(methods=tuple(args.methods.split(",")), ratios=tuple(float(r) for r in args.ratios.split(",")))
-    print(f"{model.name} on {jax.devices()[0].platform} x{len(jax.devices())} ({len(sharding.data_mesh().devices)} "
+    print(f"{model.name} on {jax.devices()[0].platform} x{len(jax.devices())} ({sharding.data_mesh().size} "
           f"in the mesh); {args.contexts} {args.task} contexts of ~{args.context_tokens} tokens, "
           f"{sum(len(e.questions) for e in examples)} questions; methods {args.methods}; ratios {args.ratios}"
           + ("; random weights" if args.random_weights else ""))

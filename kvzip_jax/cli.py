@@ -1,6 +1,6 @@
 """The `kvzip-jax` command. Subcommands register a parser and a handler; handlers return an exit code.
 
-  kvzip-jax convert --hf DIR | --gguf FILE --out checkpoints/NAME [--overwrite]
+  kvzip-jax convert --hf DIR | --gguf FILE --out checkpoints/NAME [--overwrite] [--dtype bfloat16] [--mesh D,S,T]
   kvzip-jax convert --bundled NAME [--out DIR]      (default out: $KVZIP_CHECKPOINTS or ./checkpoints, /NAME)
   kvzip-jax head-scores --model NAME_OR_PATH [--tokens N] [--text FILE] [--overwrite]
       once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
@@ -19,10 +19,18 @@
       (never evicted), /bytes, /reset, Ctrl-D exits
   kvzip-jax eval --model NAME_OR_PATH [--methods kvzip,snapkv,...] [--ratios 1,0.9,...] [--tasks niah,...]
                  [--jsonl FILE ...] [--contexts N] [--context-tokens N] [--modes reuse,first,oracle] [--out DIR]
-                 [--instruction kvzip|none|TEXT]
+                 [--instruction kvzip|none|TEXT] [--process-index I --process-count N]
       a sweep: every context prefilled and scored once per method, every question answered from every compressed
       cache; results appended to DIR/results.jsonl (a rerun of the same settings resumes; other settings are
-      refused), then DIR/summary.md, summary.csv, scores.png
+      refused), then DIR/summary.md, summary.csv, scores.png. With N processes (flags, else $KVZIP_PROCESS_INDEX and
+      $KVZIP_PROCESS_COUNT, else jax.process_index() of jax.process_count()), process I sweeps every Nth batch of
+      contexts (sorted by length) into DIR/results.I-of-N.jsonl and writes no summary
+  kvzip-jax eval --merge --out DIR
+      joins the results files of a sweep's processes into DIR/results.jsonl and writes the summary a one-process
+      sweep writes (the files must hold one sweep's settings)
+  kvzip-jax eval ... --distributed [--coordinator HOST:PORT --num-processes N --process-id I]
+      one replica over every process's devices (jax.distributed.initialize first); every process runs every batch,
+      process 0 writes DIR/results.jsonl and the summary
 
 Errors kvzip-jax raises on purpose (kvzip_jax.errors) print as one line and exit with code 2.
 """
@@ -80,7 +88,19 @@ def _bytes(cache) -> str:
     return f"{used:,} filled / {allocated:,} allocated ({used / 2**20:.1f} / {allocated / 2**20:.1f} MiB)"
 
 
+def _mesh_shape(text: str) -> tuple[int, int, int]:
+    """--mesh DATA,SEQ,TENSOR as three integers."""
+    try:
+        shape = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3:
+        raise argparse.ArgumentTypeError(f"expected DATA,SEQ,TENSOR (three integers, e.g. 1,1,8), got {text!r}")
+    return shape
+
+
 def _convert(args: argparse.Namespace) -> int:
+    from kvzip_jax import sharding
     from kvzip_jax.weights.assemble import flat_param_shapes
     from kvzip_jax.weights.checkpoint import load_config
     from kvzip_jax.weights.registry import (
@@ -91,11 +111,13 @@ def _convert(args: argparse.Namespace) -> int:
 
     if args.out is None and not args.bundled:
         args.subparser.error("--out is required with --hf and --gguf")
+    mesh = sharding.make_mesh(*args.mesh) if args.mesh else None
     if args.bundled:
         out = args.out or default_checkpoints_dir() / args.bundled
-        out = convert(gguf=bundled_gguf(args.bundled), out=out, overwrite=args.overwrite, dtype=args.dtype)
+        out = convert(gguf=bundled_gguf(args.bundled), out=out, overwrite=args.overwrite, dtype=args.dtype, mesh=mesh)
     else:
-        out = convert(hf=args.hf, gguf=args.gguf, out=args.out, overwrite=args.overwrite, dtype=args.dtype)
+        out = convert(hf=args.hf, gguf=args.gguf, out=args.out, overwrite=args.overwrite, dtype=args.dtype,
+                      mesh=mesh)
     cfg = load_config(out)
     count = sum(math.prod(shape) for shape in flat_param_shapes(cfg).values())
     print(f"wrote {out}/ (params/, config.json, tokenizer/): {cfg.architecture}, {cfg.num_layers} layers, "
@@ -130,6 +152,9 @@ def _add_convert(subparsers) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint folder")
     parser.add_argument("--dtype", choices=(dtypes.SOURCE, "float32", "bfloat16"), default=dtypes.SOURCE,
                         help="precision stored on disk (default: the source's; quantized GGUF blocks become float32)")
+    parser.add_argument("--mesh", type=_mesh_shape, metavar="DATA,SEQ,TENSOR",
+                        help="convert onto this device mesh, e.g. 1,1,8: an HF folder is read one tensor at a time and "
+                             "each parameter split over its devices, so no device or host holds the whole model")
     parser.set_defaults(handler=_convert, subparser=parser)
 
 
@@ -604,9 +629,19 @@ def _csv(text: str) -> list[str]:
 
 def _eval(args: argparse.Namespace) -> int:
     from kvzip_jax import prompts
-    from kvzip_jax.eval import report, tasks
-    from kvzip_jax.eval.sweep import SweepConfig, run_sweep
+    from kvzip_jax.eval import report, results, tasks
+    from kvzip_jax.eval.sweep import ProcessShareError, SweepConfig, process_share, run_sweep
 
+    if args.merge:
+        return _merge(args)
+    if args.model is None:
+        args.subparser.error("--model is required (unless --merge)")
+    coordinates = (args.coordinator, args.num_processes, args.process_id)
+    if any(c is not None for c in coordinates) and (not args.distributed or None in coordinates):
+        args.subparser.error("--coordinator, --num-processes and --process-id go together, with --distributed")
+    if args.distributed and (args.process_index is not None or args.process_count is not None):
+        args.subparser.error("--distributed runs one replica over every process's devices: no --process-index or "
+                             "--process-count")
     try:
         ratios = tuple(float(r) for r in _csv(args.ratios))
     except ValueError:
@@ -627,6 +662,19 @@ def _eval(args: argparse.Namespace) -> int:
         args.subparser.error(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}")
     if args.questions_per_context is not None and args.questions_per_context < 1:
         args.subparser.error("--questions-per-context must be >= 1")
+    mesh, writes, share = None, True, ""
+    if args.distributed:
+        mesh, writes = _start_distributed(args)
+        index, count = 0, 1
+        share = f" (one replica over {mesh.size} devices of every process{'' if writes else '; process 0 writes'})"
+    else:
+        try:
+            index, count = process_share(args.process_index, args.process_count)
+        except ProcessShareError as e:
+            args.subparser.error(str(e))
+        if count > 1:
+            share = f" (process {index} of {count}: batches {index}, {index + count}, ... of them)"
+
     examples = [ex for path in args.jsonl or [] for ex in tasks.load_jsonl(path)]
     examples += [ex for name in names for ex in tasks.generate(name, args.contexts, args.seed, args.context_tokens)]
     if args.questions_per_context is not None:
@@ -636,14 +684,53 @@ def _eval(args: argparse.Namespace) -> int:
 
     model = _load(args)
     out = Path(args.out or Path("runs") / model.name)
-    print(f"sweep: {len(examples)} contexts, {sum(len(ex.questions) for ex in examples)} questions, methods "
+    path = out / results.results_name(index, count)
+    print(f"sweep: {len(examples)} contexts{share}, {sum(len(ex.questions) for ex in examples)} questions, methods "
           f"{','.join(config.methods)}, modes {','.join(config.modes)}, ratios {','.join(map(str, ratios))} "
-          f"-> {out}/results.jsonl", flush=True)
+          f"-> {path}", flush=True)
     start = time.perf_counter()
-    results = run_sweep(model, examples, config, out / "results.jsonl", progress=not args.no_progress)
-    written = report.write_report(results.path, out)
+    run_sweep(model, examples, config, path, progress=writes and not args.no_progress, mesh=mesh,
+              share=(index, count), write=writes)
+    if not writes:
+        print(f"done in {time.perf_counter() - start:.0f} s; process 0 wrote the results and the summary")
+        return 0
+    if count > 1:
+        print(f"done in {time.perf_counter() - start:.0f} s; once every process has finished: kvzip-jax eval "
+              f"--merge --out {out}")
+        return 0
+    written = report.write_report(path, out)
     print(f"done in {time.perf_counter() - start:.0f} s; " + ", ".join(str(p) for p in written.values()))
     print((out / "summary.md").read_text())
+    return 0
+
+
+def _start_distributed(args: argparse.Namespace):
+    """--distributed, before any computation: jax.distributed.initialize (auto-detected on TPU pods, Slurm and
+    Open MPI, else from --coordinator, --num-processes, --process-id; skipped when already initialised). -> (the
+    sweep's mesh, (n, 1, 1) over every process's devices; whether this process writes: process 0)."""
+    import jax
+
+    from kvzip_jax import sharding
+
+    explicit = () if args.coordinator is None else (args.coordinator, args.num_processes, args.process_id)
+    try:
+        if not jax.distributed.is_initialized():
+            jax.distributed.initialize(*explicit)
+    except (ValueError, RuntimeError) as e:
+        args.subparser.error(f"--distributed: jax.distributed.initialize failed ({e}); outside a TPU pod, Slurm or "
+                             f"Open MPI job give --coordinator HOST:PORT --num-processes N --process-id I")
+    return sharding.make_mesh(data=jax.device_count()), jax.process_index() == 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """--merge: the results files of a sweep's processes joined, and the one summary written."""
+    from kvzip_jax.eval import report
+
+    if not args.out:
+        args.subparser.error("--merge needs --out DIR, the sweep's folder")
+    written = report.merge_report(args.out)
+    print("merged: " + ", ".join(str(p) for p in written.values()))
+    print(written["markdown"].read_text())
     return 0
 
 
@@ -652,7 +739,7 @@ def _add_eval(subparsers) -> None:
     from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
 
     parser = subparsers.add_parser("eval", help="sweep methods x ratios x tasks; resumable; table and plot")
-    parser.add_argument("--model", required=True, help="bundled model name or a model path")
+    parser.add_argument("--model", help="bundled model name or a model path (required unless --merge)")
     parser.add_argument("--methods", default="kvzip,snapkv,pyramidkv,h2o,streamingllm,random",
                         help=f"comma-separated, from {','.join(METHODS)} (am-*, kvzip-am: Attention Matching)")
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
@@ -674,6 +761,23 @@ def _add_eval(subparsers) -> None:
                         'bench/quality.py uses; "none" for none')
     parser.add_argument("--out", metavar="DIR", help="output folder (default runs/MODEL)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--process-index", type=int, metavar="I", help="with --process-count N: sweep only every "
+                        "Nth batch of contexts (sorted by length), from the Ith (0-based), into "
+                        "DIR/results.I-of-N.jsonl, no summary; default $KVZIP_PROCESS_INDEX, else jax.process_index()")
+    parser.add_argument("--process-count", type=int, metavar="N", help="processes sharing the sweep out (default "
+                        "$KVZIP_PROCESS_COUNT, else jax.process_count(): 1 unless jax.distributed is initialised)")
+    parser.add_argument("--merge", action="store_true", help="run no sweep: join the results files in --out DIR "
+                        "(results.jsonl, results.I-of-N.jsonl; one sweep's settings) into DIR/results.jsonl and "
+                        "write the summary, as one process would")
+    parser.add_argument("--distributed", action="store_true", help="one replica over the devices of every process: "
+                        "call jax.distributed.initialize() first (auto-detected on TPU pods, Slurm, Open MPI), then "
+                        "every process runs every batch in lockstep and process 0 writes results and summary (DIR "
+                        "on a filesystem every process shares)")
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="with --distributed: process 0's address, for "
+                        "jax.distributed.initialize where it detects none")
+    parser.add_argument("--num-processes", type=int, metavar="N", help="with --distributed and --coordinator")
+    parser.add_argument("--process-id", type=int, metavar="I", help="with --distributed and --coordinator: this "
+                        "process's rank (0 writes)")
     _add_runtime(parser)
     parser.set_defaults(handler=_eval, subparser=parser)
 

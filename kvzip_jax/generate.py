@@ -20,6 +20,7 @@ from kvzip_jax import dtypes
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ContextTooLongError, EmptyInputError
 from kvzip_jax.models.transformer import forward
+from kvzip_jax.sharding.mesh import to_host
 
 DEFAULT_CHUNK = 512
 MIN_CAPACITY = 256
@@ -75,7 +76,7 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
     B = len(rows)
     if cache is not None and cache.batch_size != B:
         raise ValueError(f"{B} token rows for a cache of batch size {cache.batch_size}")
-    positions_after = lengths + (0 if cache is None else np.asarray(cache.next_position))  # [B]
+    positions_after = lengths + (0 if cache is None else to_host(cache.next_position))  # [B]
     if np.any(positions_after > cfg.max_position):
         raise ContextTooLongError(f"position {int(positions_after.max())} exceeds the model's maximum context of "
                                   f"{cfg.max_position}")
@@ -83,7 +84,7 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
         need = int(lengths.max())
         cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg),
                               dtypes.of_params(params))
-    room = np.asarray(cache.room())  # [B]
+    room = to_host(cache.room())  # [B]
     if np.any(lengths > room):
         raise ContextTooLongError(f"{int(lengths.max())} new tokens exceed the cache's capacity: room for "
                                   f"{int(room.min())} more")
@@ -182,7 +183,7 @@ def decode(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new_tokens: 
     sampling = sampling or Sampling.make()
     out, cache, logits = _decode_loop(params, cfg, logits, cache, jnp.int32(max_new_tokens), jnp.asarray(stops),
                                       sampling, buffer=bucket(max_new_tokens))
-    tokens = [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in np.asarray(out)]
+    tokens = [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in to_host(out)]
     return (tokens, cache, logits) if return_logits else (tokens, cache)
 
 

@@ -24,13 +24,14 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import triton as pl_triton
 
 IMPLS = ("auto", "xla", "pallas")
 
 # Finite "minus infinity" for masked logits: exp(MASK_VALUE - m) underflows to 0 while MASK_VALUE - MASK_VALUE stays
 # 0, so a row with every key masked gives no inf - inf. Rounded to float32 so stored values compare equal to it.
-MASK_VALUE = float(jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max)))
+MASK_VALUE = float(np.float32(-0.7 * float(np.finfo(np.float32).max)))  # numpy: importing starts no backend
 
 MIN_TRITON_CAPABILITY = (8, 0)
 TRITON_NUM_WARPS = 4

@@ -238,19 +238,20 @@ def test_two_devices_give_the_same_answers_as_one(smollm2_gguf, tmp_path):
     script = textwrap.dedent(f"""
         import json, sys
         import jax
-        from jax.sharding import Mesh
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from test_eval_sweep import tiny_model, examples
-        from kvzip_jax.eval import sweep as sw, sharding
+        from kvzip_jax import sharding
+        from kvzip_jax.eval import placement, sweep as sw
         from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
         assert jax.device_count() == 2
         model = tiny_model(tokenizer_from_gguf({str(smollm2_gguf)!r}))
         config = sw.SweepConfig(methods=("kvzip", "snapkv"), ratios=(0.5,), batch_size=3)
         mesh = sharding.data_mesh()
-        placed = sharding.split_batch(jax.numpy.zeros((4, 3)), mesh)
-        assert len(placed.sharding.device_set) == 2
+        assert mesh.axis_names == ("data", "seq", "tensor") and mesh.devices.shape == (2, 1, 1)
+        placed = placement.split_batch(jax.numpy.zeros((4, 3)), mesh)
+        assert len(placed.sharding.device_set) == 2 and placed.addressable_shards[0].data.shape == (2, 3)
         sw.run_sweep(model, examples(), config, {str(tmp_path / "two.jsonl")!r}, progress=False, mesh=mesh)
-        one = Mesh(jax.local_devices()[:1], (sharding.DATA_AXIS,))
+        one = sharding.make_mesh(data=1)
         sw.run_sweep(model, examples(), config, {str(tmp_path / "one.jsonl")!r}, progress=False, mesh=one)
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
@@ -267,9 +268,10 @@ def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
     """No array outlives the sweep; the programs compiled for one task's shapes are dropped when the next task
     starts, so a sweep holds those of one task at a time; the params are not copied onto a one-device mesh."""
     from kvzip_jax import generate as gen
-    from kvzip_jax.eval import sharding
+    from kvzip_jax import sharding
+    from kvzip_jax.eval import placement
 
-    assert sharding.replicate(model.params, sharding.data_mesh()) is model.params
+    assert placement.replicate(model.params, sharding.data_mesh()) is model.params
     config = sw.SweepConfig(methods=("kvzip", "snapkv"), ratios=(0.5,), batch_size=3)
     second = [dataclasses.replace(ex, task="toy2") for ex in examples()]  # a second task, its own shapes
     jax.clear_caches()

@@ -18,6 +18,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
+from kvzip_jax.sharding.mesh import to_host
 
 SEGMENT = 8  # decoding steps between regathers of the rows still decoding
 
@@ -72,7 +73,7 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
     if np.any(answer_len < 1):
         raise ValueError("every forced answer needs at least one token")
     block, lengths = pad_rows([np.concatenate([s, np.asarray(a, np.int32)]) for s, a in zip(suffixes, forced)])
-    if np.any(lengths > np.asarray(cache.room())):
+    if np.any(lengths > to_host(cache.room())):
         raise ValueError("question and answer exceed the cache's room")
     # Position suffix_len - 1 + a predicts answer token a; a = answer_len predicts what follows the forced answer.
     # The LM head runs only there (A + 1 rounded up to a multiple of 8, so new answer lengths rarely recompile).
@@ -90,7 +91,7 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
     forced_ids = np.full((len(forced), A), -1, np.int32)  # [B, A]
     for b, a in enumerate(forced):
         forced_ids[b, :len(a)] = a
-    differs = (np.asarray(jnp.argmax(forced_logits, axis=-1)) != forced_ids) & valid  # [B, A]
+    differs = (to_host(jnp.argmax(forced_logits, axis=-1)) != forced_ids) & valid  # [B, A]
     first = np.where(differs.any(axis=1), differs.argmax(axis=1), answer_len)  # [B] first disagreement
     # Tokens through each forced answer's first stop token (answer_len + 1 when it has none).
     through_stop = np.array([next((i + 1 for i, t in enumerate(a) if t in stop_tokens), len(a) + 1) for a in forced])

@@ -28,6 +28,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from kvzip_jax.eval import results
+
 MODES = ("full", "reuse", "first", "oracle")
 SUMMARIZED = ("model", "task", "example", "question", "method", "mode", "ratio", "score", "agree", "kl", "flip")
 COLUMNS = ("task", "method", "mode", "ratio", "n", "score", "normalised", "normalised_lo", "normalised_hi", "agree",
@@ -115,9 +117,11 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     Row fields (COLUMNS): n; score (mean, 0..1); normalised = 100 * mean score / mean full-cache score over the
     questions (example, question) that have a full-cache record (None when there are none or the full mean is 0);
     agree (% of answers equal to the full cache's); kl and flip (means); normalised_lo/hi and agree_lo/hi: the 95%
-    intervals of the module docstring (None where the value is).
+    intervals of the module docstring (None where the value is). The rows do not depend on the records' order
+    (they are taken in results.record_key order), so the shares of a sweep merged give a one-process sweep's.
     """
     _check(records)
+    records = sorted(records, key=results.record_key)
     full = {(r["task"], r["example"], r["question"]): float(r["score"]) for r in records if r["method"] == "full"}
     groups = collections.defaultdict(list)
     for r in records:
@@ -278,3 +282,9 @@ def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> d
         "csv": write_csv(rows, out / "summary.csv"),
         "plot": plot(rows, out / "scores.png"),
     }
+
+
+def merge_report(folder: str | os.PathLike) -> dict[str, Path]:
+    """Joins the results files of a sweep's processes into the folder's results.jsonl (results.merge) and writes its
+    report there (write_report): what one process sweeping the same contexts writes."""
+    return write_report(results.merge(folder), folder)

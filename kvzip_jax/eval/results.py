@@ -11,6 +11,10 @@ are written beside the file (<file>.settings.json) when it is created, and every
 and a hash of its example. Opening the file with other settings, or meeting an example that changed under the same
 id, raises SweepMismatchError: results of two configurations are never merged. The grid (methods, modes, ratios)
 and the batching may grow or change between runs.
+
+Processes that share a sweep out (sweep.share_of) write one file each into the sweep's folder, results.I-of-N.jsonl
+(results_name); merge(folder) checks that every file there holds the same settings and joins them, each answer once,
+into the folder's results.jsonl: what a one-process sweep writes, which eval.report then summarizes.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
-from kvzip_jax.errors import KvzipError
+from kvzip_jax.errors import EmptyInputError, KvzipError
 
 KEY_FIELDS = ("task", "example", "method", "mode", "ratio", "question")
+RESULTS_NAME = "results.jsonl"  # a one-process sweep's, and the merged one
+SHARE_NAME = re.compile(r"results\.\d+-of-\d+\.jsonl")  # process I of N's (results_name)
 RESULTS_VERSION = 3  # 2: one answer path for every cache, published H2O and PyramidKV, per-head floors; 3: tokenizer
 
 
@@ -41,15 +48,111 @@ def fingerprint(settings: dict) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def results_name(index: int = 0, count: int = 1) -> str:
+    """The results file of process index of count: results.jsonl for one process, else results.I-of-N.jsonl."""
+    return RESULTS_NAME if count == 1 else f"results.{index}-of-{count}.jsonl"
+
+
+def settings_path(path: str | os.PathLike) -> Path:
+    """Where the settings of a results file are kept: <file>.settings.json beside it."""
+    path = Path(path)
+    return path.with_name(path.name + ".settings.json")
+
+
+def _complete(data: bytes) -> bytes:
+    """data up to its last newline: without the partial last line an interrupted write leaves."""
+    return data[:data.rfind(b"\n") + 1]
+
+
+def _records(path: Path, complete: bytes, config: str | None) -> list[dict]:
+    """The records of a file's complete lines; raises SweepMismatchError for one of another fingerprint than
+    config (None: no check), ValueError for a line that is no record."""
+    records = []
+    for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+                record_key(record)
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{number}: not a sweep record ({e})") from None
+            if config is not None and record.get("config") != config:
+                raise SweepMismatchError(f"{path}:{number}: a record of other sweep settings (fingerprint "
+                                         f"{record.get('config')}, not {config})")
+            records.append(record)
+    return records
+
+
+def _read_settings(path: Path) -> dict:
+    where = settings_path(path)
+    try:
+        return json.loads(where.read_text())
+    except FileNotFoundError:
+        raise SweepMismatchError(f"{path} has no settings file ({where.name}): not a kvzip-jax sweep's") from None
+    except ValueError as e:
+        raise SweepMismatchError(f"{where}: unreadable settings ({e})") from None
+
+
+def _differences(a: dict, b: dict, in_a: str, in_b: str) -> str:
+    keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return "; ".join(f"{k}: {a.get(k)!r} {in_a}, {b.get(k)!r} {in_b}" for k in keys)
+
+
+def results_files(folder: str | os.PathLike) -> list[Path]:
+    """A sweep folder's results files (results.jsonl and every results.I-of-N.jsonl), sorted by name."""
+    return sorted(p for p in Path(folder).iterdir() if p.name == RESULTS_NAME or SHARE_NAME.fullmatch(p.name))
+
+
+def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
+    """(settings, records) of every results file of a sweep folder: each answer once (from the first file by name
+    that holds it), sorted by record_key. Files are only read: a partial last line (a process still writing, or
+    killed) is left out. Raises SweepMismatchError when the files hold other settings (other RESULTS_VERSION, model,
+    prompt, ...), a record of another fingerprint, or two examples under one id; EmptyInputError without files."""
+    if not Path(folder).is_dir():
+        raise EmptyInputError(f"no sweep folder {folder}")
+    files = results_files(folder)
+    if not files:
+        raise EmptyInputError(f"no results files (results.jsonl, results.I-of-N.jsonl) in {folder}")
+    settings = _read_settings(files[0])
+    config = fingerprint(settings)
+    by_key: dict[tuple, dict] = {}
+    examples: dict[tuple[str, str], tuple[str, Path]] = {}
+    for path in files:
+        other = _read_settings(path)
+        if other != settings:
+            differ = _differences(other, settings, "there", f"in {files[0].name}")
+            raise SweepMismatchError(f"{path} holds the results of other sweep settings than {files[0].name} "
+                                     f"({differ}): merge only the shares of one sweep")
+        for record in _records(path, _complete(path.read_bytes()), config):
+            held = examples.setdefault((record["task"], record["example"]), (record.get("example_hash"), path))
+            if held[0] != record.get("example_hash"):
+                raise SweepMismatchError(f"{path} and {held[1]} hold answers to different examples under "
+                                         f"{record['task']}/{record['example']}: merge only the shares of one sweep")
+            by_key.setdefault(record_key(record), record)
+    return settings, [by_key[k] for k in sorted(by_key)]
+
+
+def merge(folder: str | os.PathLike) -> Path:
+    """Joins a sweep folder's results files (merged_records) into its results.jsonl and the settings beside it, each
+    written atomically; returns that file's path. Run it once the processes have finished (a process still writing
+    to results.jsonl itself would lose what it appends meanwhile)."""
+    settings, records = merged_records(folder)
+    path = Path(folder) / RESULTS_NAME
+    _write_atomically(settings_path(path), json.dumps(settings, indent=1, sort_keys=True))
+    _write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return path
+
+
 class ResultsFile:
     """Appends records to a JSONL file and knows which keys, and which example hashes, it already holds.
 
-    settings: the sweep's settings (module docstring); None opens the file without any check (reports, tests)."""
+    settings: the sweep's settings (module docstring); None opens the file without any check (reports, tests).
+    write: False for a process that follows the file another process writes (a replica spanning processes, where
+    process 0 writes): the file is read and checked but never written, and appends only mark keys done."""
 
-    def __init__(self, path: str | Path, settings: dict | None = None):
-        self.path = Path(path)
+    def __init__(self, path: str | Path, settings: dict | None = None, write: bool = True):
+        self.path, self.write = Path(path), write
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.settings_path = self.path.with_name(self.path.name + ".settings.json")
+        self.settings_path = settings_path(self.path)
         self.fingerprint = None if settings is None else fingerprint(settings)
         self.done: set[tuple] = set()
         self.examples: dict[tuple[str, str], str] = {}  # (task, example id) -> example hash
@@ -63,37 +166,28 @@ class ResultsFile:
             if self.path.exists() and self.path.stat().st_size:
                 raise SweepMismatchError(f"{self.path} holds records without a settings file (written by an earlier "
                                          f"kvzip-jax): write this sweep to another folder")
-            _write_json_atomically(self.settings_path, settings)
+            if self.write:
+                _write_atomically(self.settings_path, json.dumps(settings, indent=1, sort_keys=True))
             return
         try:
             stored = json.loads(self.settings_path.read_text())
         except ValueError as e:
             raise SweepMismatchError(f"{self.settings_path}: unreadable settings ({e})") from None
         if stored != settings:
-            differ = sorted(k for k in set(stored) | set(settings) if stored.get(k) != settings.get(k))
-            listed = "; ".join(f"{k}: {stored.get(k)!r} there, {settings.get(k)!r} now" for k in differ)
-            raise SweepMismatchError(f"{self.path} holds the results of other sweep settings ({listed}): write this "
-                                     f"sweep to another folder, or remove that one")
+            raise SweepMismatchError(f"{self.path} holds the results of other sweep settings "
+                                     f"({_differences(stored, settings, 'there', 'now')}): write this sweep to "
+                                     f"another folder, or remove that one")
 
     def _repair_and_read(self) -> None:
         data = self.path.read_bytes()
-        complete = data[:data.rfind(b"\n") + 1]  # drop a partial last line (an interrupted write)
-        if len(complete) != len(data):
+        complete = _complete(data)
+        if len(complete) != len(data) and self.write:  # cut off the partial last line of an interrupted write
             with open(self.path, "r+b") as f:
                 f.truncate(len(complete))
-        for number, line in enumerate(complete.decode("utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                    key = record_key(record)
-                except (ValueError, KeyError) as e:
-                    raise ValueError(f"{self.path}:{number}: not a sweep record ({e})") from None
-                if self.fingerprint is not None and record.get("config") != self.fingerprint:
-                    raise SweepMismatchError(f"{self.path}:{number}: a record of other sweep settings (fingerprint "
-                                             f"{record.get('config')}, not {self.fingerprint})")
-                self.done.add(key)
-                if "example_hash" in record:
-                    self.examples[record["task"], record["example"]] = record["example_hash"]
+        for record in _records(self.path, complete, self.fingerprint):
+            self.done.add(record_key(record))
+            if "example_hash" in record:
+                self.examples[record["task"], record["example"]] = record["example_hash"]
 
     def check_example(self, task: str, example: str, example_hash: str) -> None:
         """Raises SweepMismatchError if the file holds answers to another example under the same task and id."""
@@ -104,25 +198,29 @@ class ResultsFile:
                                      f"file?): write this sweep to another folder")
 
     def append(self, records: list[dict]) -> None:
-        """Writes records in one write + fsync and marks their keys done."""
+        """Writes records in one write + fsync (unless write is False) and marks their keys done."""
         if not records:
             return
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        if self.write:
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
         for r in records:
             self.done.add(record_key(r))
             if "example_hash" in r:
                 self.examples[r["task"], r["example"]] = r["example_hash"]
 
 
-def _write_json_atomically(path: Path, payload) -> None:
+def _write_atomically(path: Path, text: str) -> None:
+    """text into a temporary file beside path, fsynced, then renamed onto path."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(payload, f, indent=1, sort_keys=True)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

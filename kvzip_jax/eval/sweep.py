@@ -18,6 +18,11 @@ Results go to a JSONL file (one record per answer, see results.py); keys already
 of other settings is refused (results.SweepMismatchError). A batch with answers still pending is prefilled and
 answered by the full cache again (the pending answers are compared with it), and scored again only by the methods
 with answers pending.
+
+Batches are split over the local devices (placement.py, mesh sharding.data_mesh()). Processes share a sweep out by
+batches of length-sorted contexts: process I of N takes batches[I::N] (share_of) into its own results file
+(results.results_name), and results.merge joins the files afterwards; every process plans the same batches and runs
+at the whole sweep's cache capacity, so its answers are the one-process sweep's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -34,12 +40,14 @@ from importlib import metadata
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
-from kvzip_jax import baselines, dtypes, kvzip, matching, prompts
+from kvzip_jax import baselines, dtypes, kvzip, matching, prompts, sharding
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax.eval import answering, host_memory, metrics, sharding
-from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile
+from kvzip_jax.errors import KvzipError
+from kvzip_jax.eval import answering, host_memory, metrics, placement
+from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, SweepMismatchError
 from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
@@ -129,32 +137,76 @@ class Batch:
         return [s[i] if i < len(s) else s[0] for s in self.suffixes]
 
 
-def plan_batches(tokenizer, examples: Sequence[Example], batch_size: int, multiple: int = 1,
-                 instruction: str | None = None) -> list[Batch]:
-    """Batches of one task each, contexts of similar length together; sizes padded to a multiple of `multiple`.
+Item = tuple[Example, prompts.Prompt, tuple[np.ndarray, ...]]  # an example, its [prefix | context], its suffixes
+
+
+class ProcessShareError(KvzipError, ValueError):
+    """A process index or count that does not name a share of a sweep (0 <= index < count)."""
+
+
+def prepare(tokenizer, examples: Sequence[Example], instruction: str | None = None) -> list[Item]:
+    """Every example tokenized, sorted by (task, context tokens, id): the order batches are cut in (groups_of).
     instruction: opens every user message before the context (prompts.build_prompt)."""
-    size = -(-batch_size // multiple) * multiple
-    by_task: dict[str, list] = {}
+    items = []
     for ex in examples:
         context, suffixes = prompts.split_for_reuse(tokenizer, ex.context, list(ex.questions),
                                                     instruction=instruction)
-        by_task.setdefault(ex.task, []).append((ex, context, tuple(suffixes)))
-    batches = []
-    for task in sorted(by_task):
-        items = sorted(by_task[task], key=lambda item: (len(item[1]), item[0].id))
-        for start in range(0, len(items), size):
-            chunk = items[start:start + size]
-            padded = chunk + [chunk[-1]] * (size - len(chunk))
-            batches.append(Batch(tuple(ex for ex, _, _ in chunk), tuple(c for _, c, _ in padded),
-                                 tuple(s for _, _, s in padded)))
-    return batches
+        items.append((ex, context, tuple(suffixes)))
+    return sorted(items, key=lambda item: (item[0].task, len(item[1]), item[0].id))
 
 
-def capacity_for(batches: Sequence[Batch]) -> int:
-    """One cache capacity for the whole sweep (one compilation): the longest [prefix | context] plus the longest
-    question and answer, rounded up."""
-    need = max(max(len(c) + max(map(len, s)) for c, s in zip(b.contexts, b.suffixes))
-               + max(ex.max_new_tokens for ex in b.examples) for b in batches)
+def process_share(index: int | None = None, count: int | None = None, environ=os.environ) -> tuple[int, int]:
+    """(index, count): which share of a sweep's batches this process runs. The given ones, else the environment's
+    KVZIP_PROCESS_INDEX and KVZIP_PROCESS_COUNT, else jax.process_index() of jax.process_count() (0 of 1 unless
+    jax.distributed is initialised). Raises ProcessShareError unless 0 <= index < count."""
+    if (index is None) != (count is None):
+        raise ProcessShareError("give the process index and the process count together")
+    if index is None:
+        names = ("KVZIP_PROCESS_INDEX", "KVZIP_PROCESS_COUNT")
+        if (names[0] in environ) != (names[1] in environ):
+            raise ProcessShareError(f"set {names[0]} and {names[1]} together")
+        if names[0] in environ:
+            try:
+                index, count = (int(environ[name]) for name in names)
+            except ValueError:
+                raise ProcessShareError(f"{names[0]}={environ[names[0]]!r}, {names[1]}={environ[names[1]]!r}: "
+                                        f"not integers") from None
+        else:
+            index, count = jax.process_index(), jax.process_count()
+    if not 0 <= index < count:
+        raise ProcessShareError(f"process index {index} is not in [0, {count}) (the process count)")
+    return index, count
+
+
+def groups_of(items: Sequence[Item], batch_size: int) -> list[tuple[Item, ...]]:
+    """The sweep's batches before padding: batch_size items each (fewer for a task's last), one task each, cut in
+    the items' order (prepare: similar lengths together). The cut does not depend on the devices, so every process
+    plans the same batches."""
+    by_task: dict[str, list] = {}
+    for item in items:
+        by_task.setdefault(item[0].task, []).append(item)
+    return [tuple(rows[start:start + batch_size]) for task, rows in sorted(by_task.items())
+            for start in range(0, len(rows), batch_size)]
+
+
+def share_of(groups: Sequence[tuple[Item, ...]], index: int = 0, count: int = 1) -> list[tuple[Item, ...]]:
+    """Process index of count's batches: groups[index::count], contexts of every task and length. Batches, not
+    single contexts, are shared out: a row's numbers depend, in the last float bits, on the rows batched with it,
+    so each share computes its contexts exactly as one process does, and the merged summary is byte for byte the
+    one-process sweep's (with as many devices per process and the same batch size)."""
+    return list(groups[index::count])
+
+
+def padded(group: Sequence[Item], size: int) -> Batch:
+    """The batch of a group's rows, padded with copies of its last row to size rows."""
+    rows = list(group) + [group[-1]] * (size - len(group))
+    return Batch(tuple(ex for ex, _, _ in group), tuple(c for _, c, _ in rows), tuple(s for _, _, s in rows))
+
+
+def capacity_for(items: Sequence[Item]) -> int:
+    """One cache capacity for the whole sweep (one compilation, the same in every process's share): the longest
+    [prefix | context] plus the longest question and the longest answer, rounded up."""
+    need = max(len(c) + max(map(len, s)) for _, c, s in items) + max(ex.max_new_tokens for ex, _, _ in items)
     return -(-need // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
 
 
@@ -211,7 +263,7 @@ class Sweep:
                  on_answers: Callable[[int], None] = lambda n: None, fingerprint: str | None = None):
         self.model, self.config, self.results, self.fingerprint = model, config, results, fingerprint
         self.mesh = mesh or sharding.data_mesh()
-        self.params = sharding.replicate(model.params, self.mesh)
+        self.params = placement.replicate(model.params, self.mesh)
         self.stops = prompts.stop_token_ids(model.tokenizer)
         self.evictable = evictable_layers(model.cfg)
         self.on_answers = on_answers
@@ -240,7 +292,8 @@ class Sweep:
         cfg = self.model.cfg
         prefix_len = np.array([c.context_start for c in batch.contexts], np.int32)  # [B]
         context_len = np.array([c.context_end - c.context_start for c in batch.contexts], np.int32)  # [B]
-        empty = sharding.split_batch(kv.init_cache(cfg, batch.size, capacity, dtypes.of_params(self.params)), self.mesh)
+        empty = placement.split_batch(kv.init_cache(cfg, batch.size, capacity, dtypes.of_params(self.params)),
+                                      self.mesh)
         _, cache = gen.prefill(self.params, cfg, [c.ids() for c in batch.contexts], empty)
 
         start = time.perf_counter()
@@ -329,7 +382,7 @@ class Sweep:
             got, work = answering.answer_forced(self.params, self.model.cfg, work, batch.question_rows(i),
                                                 full[i]["draft"], batch.max_new_tokens, self.stops)
             kl, flip = _divergence(full[i]["log_probs"], got.logits, jnp.asarray(got.valid))
-            out[i] = dict(tokens=got.tokens, kl=np.asarray(kl), flip=np.asarray(flip))
+            out[i] = dict(tokens=got.tokens, kl=placement.to_host(kl), flip=placement.to_host(flip))
         return out
 
     def _record(self, batch: Batch, key: tuple[str, str, float], got: dict[int, dict], full: dict[int, dict],
@@ -357,17 +410,26 @@ class Sweep:
 
 
 def run_sweep(model, examples: Sequence[Example], config: SweepConfig, results_path, progress: bool = True,
-              mesh=None) -> ResultsFile:
+              mesh=None, share: tuple[int, int] = (0, 1), write: bool = True) -> ResultsFile:
     """Runs every pending answer of the sweep, appending to results_path (resumes a partial file of the same
-    settings; raises results.SweepMismatchError for a file of other settings or other examples)."""
-    settings = config.settings(model)
-    results = ResultsFile(results_path, settings)
-    for ex in examples:
-        results.check_example(ex.task, ex.id, example_hash(ex))
+    settings; raises results.SweepMismatchError for a file of other settings or other examples).
+    mesh: default sharding.data_mesh(); every batch is padded to a multiple of its data axis. share (index, count):
+    only process index of count's batches (share_of), into its own results_path (results.results_name);
+    results.merge joins the shares. A mesh over several processes' devices (jax.distributed) runs one replica: every
+    process runs the whole sweep in lockstep, reading the same results_path (a shared filesystem), and only the one
+    given write=True writes it."""
+    index, count = process_share(*share)
+    results = ResultsFile(results_path, config.settings(model), write=write)
     mesh = mesh or sharding.data_mesh()
-    batches = plan_batches(model.tokenizer, examples, config.batch_size, sharding.batch_multiple(mesh),
-                           config.instruction)
-    capacity = capacity_for(batches)
+    if len({d.process_index for d in mesh.devices.flat}) > 1:
+        _check_lockstep(results)
+    items = prepare(model.tokenizer, examples, config.instruction)
+    capacity = capacity_for(items)  # the whole sweep's, whatever the share
+    groups = share_of(groups_of(items, config.batch_size), index, count)
+    for ex, _, _ in (item for group in groups for item in group):
+        results.check_example(ex.task, ex.id, example_hash(ex))
+    multiple = sharding.batch_multiple(mesh)
+    batches = [padded(group, -(-config.batch_size // multiple) * multiple) for group in groups]
     bar = _progress_bar(progress)
     sweep = Sweep(model, config, results, mesh, on_answers=bar.update, fingerprint=results.fingerprint)
     bar.total = sum(sweep.answers_pending(b) for b in batches)
@@ -382,6 +444,17 @@ def run_sweep(model, examples: Sequence[Example], config: SweepConfig, results_p
         host_memory.release_freed()
     bar.close()
     return results
+
+
+def _check_lockstep(results: ResultsFile) -> None:
+    """Raises SweepMismatchError unless every process of a replica spanning processes holds the same answers done
+    (else they would run different batches, and wait on each other for ever)."""
+    digest = np.frombuffer(hashlib.sha256(repr(sorted(results.done)).encode()).digest(), np.uint32)
+    try:
+        multihost_utils.assert_equal(digest)
+    except AssertionError:
+        raise SweepMismatchError(f"the processes hold different answers in {results.path}: put the sweep's folder "
+                                 f"on a filesystem every process shares") from None
 
 
 def _progress_bar(enabled: bool):

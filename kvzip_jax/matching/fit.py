@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvzip_jax.models.attention import MASK_VALUE
 
@@ -86,7 +87,7 @@ def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int)
 
 def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scale: float,
              key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
-             active: jax.Array | None = None, lower: float = float(jnp.exp(-3.0)), upper: float = float(jnp.exp(3.0)),
+             active: jax.Array | None = None, lower: float = float(np.exp(np.float32(-3.0))), upper: float = float(np.exp(np.float32(3.0))),
              iters: int = 2, value_ridge: float = RIDGE, key_bias: jax.Array | None = None):
     """The compacted block of one KV head: (C_k [S, H], beta [S], C_v [S, H]), float32.
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvzip_jax.matching.fit import HIGHEST, RIDGE, logits, mass_features
 
 AGGREGATIONS = ("rms", "max", "mean")
-OMP_UPPER = float(jnp.exp(7.0))  # the reference code's box for OMP weights: beta <= 7
+OMP_UPPER = float(np.exp(np.float32(7.0)))  # the reference code's box for OMP weights: beta <= 7
 
 
 def attention_key_scores(q: jax.Array, k: jax.Array, scale: float, aggregate: str = "rms",

@@ -21,6 +21,7 @@ from kvzip_jax.sharding.mesh import (
     data_mesh,
     make_mesh,
     replicated,
+    to_host,
 )
 from kvzip_jax.sharding.rules import (
     bytes_per_device,
@@ -37,4 +38,4 @@ from kvzip_jax.sharding.select import top_counts_sharded
 __all__ = ["AXES", "DATA", "SEQ", "TENSOR", "MeshError", "batch_multiple", "bytes_per_device", "cache_shardings",
            "check_mesh", "constrain", "constrain_cache", "current_mesh", "data_mesh", "make_mesh", "memory",
            "param_shardings", "param_spec", "replicated", "scores_sharding", "segments", "shard_cache", "shard_params",
-           "top_counts_sharded"]
+           "to_host", "top_counts_sharded"]

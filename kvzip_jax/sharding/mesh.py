@@ -13,6 +13,7 @@ axis so it can span hosts.
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from kvzip_jax.config import ModelConfig
@@ -94,6 +95,16 @@ def constrain(x: jax.Array, *names) -> jax.Array:
     if mesh is None:
         return x
     return jax.lax.with_sharding_constraint(x, spec_for(mesh, names, x.shape))
+
+
+def to_host(x) -> np.ndarray:
+    """x as a numpy array; an array split over other processes' devices is gathered from them first (a collective:
+    every process calls it at the same point)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
