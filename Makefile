@@ -10,7 +10,7 @@ demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
 
 test: $(VENV)/.installed-test
-	$(PYTHON) -m pytest -q -p no:cacheprovider -m "not quality48 and not extended" tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=25 -m "not quality48 and not extended" tests
 
 # Everything, the extended checks and the quality bar included (~45 minutes on 2 cores).
 test-all: $(VENV)/.installed-test

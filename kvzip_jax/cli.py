@@ -235,6 +235,7 @@ def _compress(args: argparse.Namespace) -> int:
     from kvzip_jax import prompts
     from kvzip_jax.kvzip.budget import check_ratio
     from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
+    from kvzip_jax.sharding import memory
 
     if args.max_new_tokens < 1 or args.chunk_size < 1 or (args.room is not None and args.room < 1):
         args.subparser.error("--max-new-tokens, --chunk-size and --room must be >= 1")
@@ -267,6 +268,8 @@ def _compress(args: argparse.Namespace) -> int:
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
     context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [],
                                                 instruction=prompts.named_instruction(args.instruction))
+    # What the cache, the scores and a chunk's work need beside the loaded params: MemoryPlanError before allocating.
+    memory.check(memory.plan(model.cfg, dtypes.of_params(model.params), len(context), with_params=False))
 
     start = time.perf_counter()
     on_chunk, done = _progress(args, "prefill")

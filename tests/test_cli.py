@@ -124,6 +124,16 @@ def tiny(monkeypatch, restored):
     return model
 
 
+def test_compress_refuses_what_cannot_fit_before_allocating(capsys, tiny, context_file, monkeypatch):
+    from kvzip_jax import generate as gen
+    from kvzip_jax.sharding import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda: 64 << 10)  # a 64 KiB device
+    monkeypatch.setattr(gen, "prefill", lambda *a, **k: pytest.fail("the cache was allocated"))
+    _fails_with_one_line(capsys, ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3",
+                                  "--question", QUESTION], "GiB per device (params 0.00, cache", "largest part")
+
+
 @pytest.mark.parametrize("method, selector, flags", [("am-hak", "hak", []),
                                                      ("kvzip-am-op", "kvzip", ["--self-study"])])
 def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes(capsys, tiny, context_file, method,
@@ -188,6 +198,7 @@ def test_head_scores_then_compress_at_the_head_level_from_stdin(capsys, monkeypa
     assert out.count("\nA: ") == 1 and f"Q: {QUESTION}\nA: " in out
 
 
+@pytest.mark.extended  # the CLI sweep, its report and its resume run in test_eval_distributed (tiny model, faster)
 def test_eval_sweeps_writes_the_report_and_resumes(capsys, smollm2, tmp_path):
     records = tmp_path / "records.jsonl"
     records.write_text(json.dumps({"context": CONTEXT, "queries": [QUESTION, "Which crate held the backup drill?"],

@@ -234,7 +234,8 @@ def test_sweep_config_rejects_bad_choices():
         sw.SweepConfig(ratios=(0.0,))
 
 
-def test_two_devices_give_the_same_answers_as_one(smollm2_gguf, tmp_path):
+@pytest.mark.extended  # covered by test_eval_distributed (a 4-device replica answers as a 2-device process) and
+def test_two_devices_give_the_same_answers_as_one(smollm2_gguf, tmp_path):  # test_sharding's (8, 1, 1) mesh
     script = textwrap.dedent(f"""
         import json, sys
         import jax

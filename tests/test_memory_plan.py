@@ -20,7 +20,7 @@ def mesh(data=1, seq=1, tensor=1):
 
 def test_llama_8b_at_128k():
     """scale.md's figures: 16 GiB of bf16 cache at 128K (plus a 1-byte keep mask per slot), ~15 GiB of params."""
-    need = memory.plan(LLAMA_8B, jnp.bfloat16, 131072)
+    need = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, capacity=131072)
     assert need.cache == 32 * 8 * 131072 * (2 * 128 * 2 + 1)
     assert 14.9 * GiB < need.params < 15.0 * GiB  # 8.03e9 parameters
     assert need.scores == 4 * 32 * 8 * 131072 and need.workspace < 1 * GiB
@@ -28,8 +28,8 @@ def test_llama_8b_at_128k():
 
 
 def test_shards_divide_each_part():
-    one = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2)
-    split = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, mesh=mesh(data=2, seq=2, tensor=8))
+    one = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, capacity=131072)
+    split = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, mesh=mesh(data=2, seq=2, tensor=8), capacity=131072)
     assert split.cache * 32 == one.cache and split.scores * 32 == one.scores
     assert one.params / 8 < split.params < 1.01 * one.params / 8  # norms replicated
     assert split.workspace < one.workspace
@@ -37,7 +37,7 @@ def test_shards_divide_each_part():
 
 def test_refuses_before_allocating():
     need = memory.plan(LLAMA_8B, jnp.float32, 131072)
-    with pytest.raises(memory.MemoryPlanError, match="needs 62.59 GiB .* of 24.00 GiB available; the largest part "
+    with pytest.raises(memory.MemoryPlanError, match="needs 62.6. GiB .* of 24.00 GiB available; the largest part "
                                                      "is the cache"):
         memory.check(need, available=24 * GiB)
     with pytest.raises(MemoryError):  # also a MemoryError for callers that catch those

@@ -33,6 +33,7 @@ from kvzip_jax.sharding.rules import param_spec
 
 GiB = 1 << 30
 PARTS = ("params", "cache", "scores", "workspace")
+DEFAULT_ROOM = 256  # slots a default cache keeps for a question and its answer (generate.prefill's reserve)
 
 
 class MemoryPlanError(KvzipError, MemoryError):
@@ -64,14 +65,15 @@ def _shard(mesh, axes, shape) -> int:
 
 
 def plan(cfg: ModelConfig, dtype, context_tokens: int, batch: int = 1, mesh=None, chunk: int = 2048,
-         capacity: int | None = None, scoring: bool = True) -> MemoryPlan:
+         capacity: int | None = None, scoring: bool = True, with_params: bool = True) -> MemoryPlan:
     """The per-device bytes of prefilling `context_tokens` for `batch` rows (cache of `capacity` slots, default
-    the context rounded up to 64) and, with scoring, of KVzip's scores and reread chunks."""
+    the context rounded up to 64, plus DEFAULT_ROOM for questions and answers) and, with scoring, of KVzip's scores
+    and reread chunks. with_params=False: params counted as 0 (already loaded, so no longer available)."""
     if mesh is not None:
         check_mesh(cfg, mesh)
     item = np.dtype(dtype).itemsize
-    params = sum(_param_shard(name, shape, mesh) * item for name, shape in _flat_shapes(cfg))
-    C = capacity or -(-context_tokens // 64) * 64
+    params = sum(_param_shard(name, shape, mesh) * item for name, shape in _flat_shapes(cfg)) if with_params else 0
+    C = capacity or -(-(context_tokens + DEFAULT_ROOM) // 64) * 64
     B, K, H, L = batch, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     slots = _shard(mesh, (DATA, TENSOR, SEQ), (B, K, C))
     cache = L * (2 * slots * H * item + slots)
