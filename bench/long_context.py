@@ -6,10 +6,12 @@ Qwen2.5-Coder-0.5B-Instruct (float32, its maximum context is 32,768), one multi_
 planted "special magic number" facts in generated prose, the eval task), each length in a fresh process so its peak
 memory is its own. Per length:
   - prefill wall time (its chunk program compiled once, included) and that compile alone (AOT, same shapes);
-  - KVzip scoring: compile time (AOT; the reread chunks run in lax.map, so it should stay flat with the context)
-    and execution time;
+  - KVzip scoring (kvzip.score: the reread passes and the scores): compile time (AOT; the reread chunks run in
+    lax.map, so it should stay flat with the context) and execution time;
   - scoring's extra memory: peak resident set during the scoring call minus the resident set just before it,
-    sampled every 2 ms, beside the cache's bytes and the memory planner's estimate (sharding.memory.plan);
+    sampled every 2 ms (the scores it returns included), beside the cache's bytes, XLA's temp allocation for the
+    compiled program (memory_analysis) and the memory planner's estimate of scores + one chunk's workspace
+    (sharding.memory.plan);
   - the four facts asked of the full cache and of KVzip at --ratio (right answers out of 4).
 Writes bench/results/long-context.txt.
 """
@@ -36,7 +38,7 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     from kvzip_jax import generate as gen
     from kvzip_jax import kvzip, prompts
     from kvzip_jax.eval import metrics, tasks
-    from kvzip_jax.kvzip.scoring import reread_inputs
+    from kvzip_jax.kvzip.scoring import evictable_layers, reread_inputs
     from kvzip_jax.sharding import memory
     from kvzip_jax.weights import registry
 
@@ -63,8 +65,9 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
 
     reread = reread_inputs(tok, [prompt.context_start], [ids[prompt.context_start:prompt.context_end]], chunk)
     start = time.perf_counter()
-    compiled = jax.jit(kvzip.score_and_evict).lower(params, cfg, cache, reread, ratio).compile()
+    compiled = jax.jit(kvzip.score).lower(params, cfg, cache, reread).compile()
     out["score_compile_s"] = time.perf_counter() - start
+    out["score_temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes  # XLA's own working set of the program
     jax.block_until_ready(cache)
     memory_before = memory.process_memory()
     peak, done = [memory_before], threading.Event()
@@ -77,17 +80,16 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     sampler = threading.Thread(target=sample)
     sampler.start()
     start = time.perf_counter()
-    masked, scores = compiled(params, cfg, cache, reread, ratio)
-    jax.block_until_ready((masked, scores))
+    scores = jax.block_until_ready(compiled(params, cfg, cache, reread))
     out["score_s"] = time.perf_counter() - start
     done.set()
     sampler.join()
-    out["score_extra_bytes"] = peak[0] - memory_before
-    # The scoring call returns a masked copy of the cache (keep mask included): its bytes are output, not workspace.
-    out["masked_output_bytes"] = kv.nbytes(masked)
+    out["score_extra_bytes"] = peak[0] - memory_before  # the scores [L, 1, K, n] float32 included
+    keep = kvzip.keep_mask(scores, reread.context_len, ratio, "pair", evictable_layers(cfg))
+    masked = jax.tree.map(jnp.copy, kv.mask_context(cache, keep, reread.prefix_len, reread.context_len))  # own K, V
     planned = memory.plan(cfg, jnp.float32, out["context"] + prompt.context_start, 1, None, chunk, capacity=capacity)
     out["planned_workspace_bytes"] = planned.workspace + planned.scores
-    del scores
+    del scores, keep
 
     stops = prompts.stop_token_ids(tok)
     right = {"full": 0, "kvzip": 0}
@@ -125,13 +127,14 @@ def main() -> None:
     MiB = 1 << 20
     lines = [f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, reread chunk {args.chunk}, KVzip at {args.ratio}",
              "| tokens | prefill s | prefill compile s | scoring s | scoring compile s | cache MiB | scoring extra MiB "
-             "(% of cache) | planned MiB | facts right full / KVzip |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "(% of cache) | XLA temp MiB | planned MiB | facts right full / KVzip |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(
             f"| {r['tokens']:,} | {r['prefill_s']:.0f} | {r['prefill_compile_s']:.1f} | {r['score_s']:.0f} | "
             f"{r['score_compile_s']:.1f} | {r['cache_bytes'] / MiB:.0f} | {r['score_extra_bytes'] / MiB:.0f} "
-            f"({100 * r['score_extra_bytes'] / r['cache_bytes']:.1f}%) | {r['planned_workspace_bytes'] / MiB:.0f} | "
+            f"({100 * r['score_extra_bytes'] / r['cache_bytes']:.1f}%) | {r['score_temp_bytes'] / MiB:.0f} | "
+            f"{r['planned_workspace_bytes'] / MiB:.0f} | "
             f"{r['right_full']} / {r['right_kvzip']} of {r['questions']} |")
     text = "\n".join(lines) + "\n"
     print(text)
