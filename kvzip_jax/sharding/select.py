@@ -41,8 +41,11 @@ def top_counts_sharded(scores: jax.Array, counts: jax.Array, axes: tuple[int, ..
 
     def local(x, c):  # x [...local], c [...local with 1 on axes]
         keys = ordered_keys(x)
-        total = lambda mask: jax.lax.psum(mask.sum(axis=axes, keepdims=True, dtype=jnp.int32), summed) if summed \
-            else mask.sum(axis=axes, keepdims=True, dtype=jnp.int32)
+
+        def total(mask):  # [...rows, 1 on axes] count over the competing axes of every shard
+            count = mask.sum(axis=axes, keepdims=True, dtype=jnp.int32)
+            return jax.lax.psum(count, summed) if summed else count
+
         index = jnp.zeros(x.shape, jnp.int32)  # global row-major index over `axes`
         for d in axes:
             start = jax.lax.axis_index(spec[d]) * x.shape[d] if spec[d] is not None else 0
