@@ -10,7 +10,8 @@ Estimates in bytes per device (the most loaded one), from shapes alone:
   scores      KVzip scores [L, B, K, n] float32 over (data, tensor, seq), held until eviction
   workspace   one chunk forward in float32: the residual stream and its norm [B, T, D], the fused projections
               [B, T, (N + 2K) H] and [B, T, 2F] and the MLP's product [B, T, F] (projection widths over tensor),
-              the online-softmax blocks of attention (attention.BLOCK_ELEMENTS per KV head) and the last-token logits
+              the online-softmax blocks of attention (attention.BLOCK_ELEMENTS per KV head), the last-token logits,
+              and in scoring every layer's reread queries [B, T, N, H] (XLA keeps them to the chunk's end)
 Sharded dimensions divide their size (a dimension the axis does not divide stays whole). Activations, chunk width and
 XLA's own buffers make this an estimate: bench/long_context.py prints it beside the measured peak.
 """
@@ -84,7 +85,10 @@ def plan(cfg: ModelConfig, dtype, context_tokens: int, batch: int = 1, mesh=None
     N, D, F = cfg.num_heads, cfg.hidden_size, cfg.intermediate_size
     activations = rows * (2 * D + width((N + 2 * K) * H) + width(2 * F) + width(F))
     attention = _shard(mesh, (DATA, TENSOR), (B, K)) * BLOCK_ELEMENTS
-    workspace = 4 * (activations + attention + _shard(mesh, (DATA, None), (B, cfg.vocab_size)))
+    # XLA holds every layer's reread queries [B, T, N, H] until the chunk's pass ends (XLA CPU's buffer assignment,
+    # seen in bench/long_context.py: its temp allocation is this plan's within a few %).
+    held_queries = L * rows * width(N * H) if scoring else 0
+    workspace = 4 * (activations + attention + held_queries + _shard(mesh, (DATA, None), (B, cfg.vocab_size)))
     return MemoryPlan(params, cache, scores, workspace)
 
 
