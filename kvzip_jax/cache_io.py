@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import metadata
 from pathlib import Path
 
 import jax
@@ -32,7 +31,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax import dtypes
 from kvzip_jax.errors import KvzipError
 from kvzip_jax.weights.checkpoint import atomic_dir
-from kvzip_jax.weights.identity import model_identity, tokenizer_hash
+from kvzip_jax.weights.identity import model_identity, package_version, tokenizer_hash
 
 FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 1
 ARRAYS, MANIFEST = "arrays", "manifest.json"
@@ -69,7 +68,7 @@ def save(directory: str | Path, cache: kv.KVCache, model, meta: dict | None = No
     layers = [_layer_layout(layer) for layer in cache.layers]
     arrays = {jax.tree_util.keystr(path): _sha256(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
     manifest = {
-        "format": FORMAT, "layout_version": LAYOUT_VERSION, "kvzip_jax": _version(),
+        "format": FORMAT, "layout_version": LAYOUT_VERSION, "kvzip_jax": package_version("kvzip-jax"),
         "model": {"name": model.name, **model_identity(model.cfg, model.params)},
         "tokenizer": tokenizer_hash(model.tokenizer), "dtype": np.dtype(dtypes.of_params(model.params)).name,
         "batch_size": cache.batch_size, "next_position": np.asarray(cache.next_position).tolist(),
@@ -102,7 +101,7 @@ def read_manifest(directory: str | Path) -> dict:
     version = manifest.get("layout_version")
     if not isinstance(version, int) or version > LAYOUT_VERSION:
         raise CacheFormatError(f"{directory} has cache layout version {version}; this kvzip-jax "
-                               f"({_version()}) reads up to {LAYOUT_VERSION}: upgrade kvzip-jax")
+                               f"({package_version('kvzip-jax')}) reads up to {LAYOUT_VERSION}: upgrade kvzip-jax")
     return manifest
 
 
@@ -197,9 +196,3 @@ def _cache(tree: dict, manifest: dict) -> kv.KVCache:
 def _sha256(x) -> str:
     return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
 
-
-def _version() -> str:
-    try:
-        return metadata.version("kvzip-jax")
-    except metadata.PackageNotFoundError:
-        return "unknown"

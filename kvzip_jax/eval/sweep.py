@@ -35,7 +35,6 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from importlib import metadata
 
 import jax
 import jax.numpy as jnp
@@ -51,21 +50,10 @@ from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, SweepMismatchEr
 from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
-from kvzip_jax.weights.identity import model_identity, tokenizer_hash
+from kvzip_jax.weights.identity import model_identity, package_version, tokenizer_hash
 
-
-def _versions() -> dict[str, str]:
-    """The versions of the packages that compute an answer (each sweep record carries them)."""
-    found = {}
-    for package in ("kvzip-jax", "jax", "jaxlib", "flax", "numpy", "transformers"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = "unknown"
-    return found
-
-
-VERSIONS = _versions()
+VERSIONS = {package: package_version(package)  # the packages that compute an answer (every record carries them)
+            for package in ("kvzip-jax", "jax", "jaxlib", "flax", "numpy", "transformers")}
 
 MODES = ("reuse", "first", "oracle")
 FULL = "full"

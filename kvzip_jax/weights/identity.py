@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from importlib import metadata
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +50,11 @@ def tokenizer_hash(tokenizer) -> str:
 def model_identity(cfg: ModelConfig, params) -> dict[str, str]:
     """{"config": config_hash, "params": params_fingerprint}."""
     return {"config": config_hash(cfg), "params": params_fingerprint(params)}
+
+
+def package_version(name: str) -> str:
+    """The installed version of a package (e.g. "kvzip-jax", "jax"), or "unknown"."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "unknown"
