@@ -225,17 +225,20 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     check_context_cache(cache, reread.prefix_len, reread.context_len)
     C, B, W = reread.tokens.shape
-    per_chunk = []
-    for t in range(C):  # unrolled: see the note on lax.map below
+
+    def chunk_scores(t):  # [L, B, K, m] scores of chunk t's pairs
         observer = chunk_observer(cfg, reread, t, variant, kvzip_plus)
         _, _, aux = forward(params, reread.tokens[t], after_cache(cache, W), cache, cfg, observer,
                             num_new=reread.num_valid[t], logits=None)
-        per_chunk.append(jnp.stack(aux["observed"]))  # [L, B, K, m]
-        jax.debug.callback(_report_chunk, t + 1, C, per_chunk[-1][0, 0, 0, 0])  # once computed
-    # A lax.map over the chunks keeps compilation flat in the context (measured: bench/long_context.py at 8K-32K),
-    # but XLA CPU (jax 0.10.2) segfaulted twice while compiling it late in the test suite; until that is isolated
-    # the chunks are unrolled, so compile time grows with the number of chunks.
-    return in_context_scores(jnp.concatenate(per_chunk, axis=-1), reread.context_len)  # [L, B, K, C m]
+        scores = jnp.stack(aux["observed"])
+        jax.debug.callback(_report_chunk, t + 1, C, scores[0, 0, 0, 0])  # once computed
+        return scores
+
+    # One traced chunk forward whatever the number of chunks: compilation does not grow with the context.
+    per_chunk = chunk_scores(0)[None] if C == 1 else jax.lax.map(chunk_scores, jnp.arange(C))  # [C, L, B, K, m]
+    L, _, K, m = per_chunk.shape[1:]
+    scores = per_chunk.transpose(1, 2, 3, 0, 4).reshape(L, B, K, C * m)
+    return in_context_scores(scores, reread.context_len)  # [L, B, K, C m]
 
 
 _PROGRESS: list[Callable[[int, int], None]] = []  # chunk_progress listeners
