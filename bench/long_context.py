@@ -6,8 +6,8 @@ Qwen2.5-Coder-0.5B-Instruct (float32, its maximum context is 32,768), one multi_
 planted "special magic number" facts in generated prose, the eval task), each length in a fresh process so its peak
 memory is its own. Per length:
   - prefill wall time (its chunk program compiled once, included) and that compile alone (AOT, same shapes);
-  - KVzip scoring (kvzip.score: the reread passes and the scores): compile time (AOT; with the reread chunks in
-    lax.map, it stayed flat with the context; unrolled, as now, it grows with the chunks) and execution time;
+  - KVzip scoring (kvzip.score: the reread passes and the scores): compile time (AOT; the reread chunks run in
+    lax.map, so it stays flat with the context) and execution time;
   - scoring's extra memory: peak resident set during the scoring call minus the resident set just before it,
     sampled every 2 ms (the scores it returns included), beside the cache's bytes, XLA's temp allocation for the
     compiled program (memory_analysis) and the memory planner's estimate of scores + one chunk's workspace
