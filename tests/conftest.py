@@ -1,4 +1,5 @@
-"""Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent).
+"""Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), and
+jax's compilation caches cleared after every test module.
 
 Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
 repository's git-ignored checkpoints/ folder) and reused by later sessions.
@@ -6,10 +7,12 @@ repository's git-ignored checkpoints/ folder) and reused by later sessions.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
 
+import jax
 import pytest
 
 from kvzip_jax.weights import registry
@@ -23,6 +26,16 @@ def pytest_configure(config):
                             "`make test`)")
     config.addinivalue_line("markers", "extended: a slow check whose behaviour the default run covers through another "
                             "test (`make test-all`, not in `make test`)")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops every compiled program after a test module. XLA CPU maps each executable's code into its own memory
+    regions; one process running the whole suite otherwise reaches the kernel's map limit (vm.max_map_count, 65,530)
+    and LLVM segfaults inside a later compilation."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 def _checkpoints_dir() -> Path:
