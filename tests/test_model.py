@@ -82,8 +82,9 @@ def test_logits_and_cache_match_transformers(tiny):
         ref_v = hf_cache.layers[i].values.numpy()
         kept = ref_k.shape[2]  # transformers keeps only the window on sliding layers
         assert int(layer.lengths.min()) == int(layer.lengths.max()) == 40
-        np.testing.assert_allclose(np.asarray(layer.k[:, :, 40 - kept:40]), ref_k, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(layer.v[:, :, 40 - kept:40]), ref_v, atol=1e-5, rtol=0)
+        # float32 against torch's float32: a few ulps per op, grown over the layers; relative for keys of size ~3
+        np.testing.assert_allclose(np.asarray(layer.k[:, :, 40 - kept:40]), ref_k, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(layer.v[:, :, 40 - kept:40]), ref_v, atol=1e-5, rtol=1e-5)
     if family == "gemma3":
         assert cfg.window_for(0) == 16 and kept < 40  # the window really cut the sliding layer
 

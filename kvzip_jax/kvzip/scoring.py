@@ -24,7 +24,7 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.errors import KvzipError
-from kvzip_jax.models.attention import MASK_VALUE, AttentionView, map_key_blocks
+from kvzip_jax.models.attention import KEY_BLOCK, MASK_VALUE, AttentionView
 from kvzip_jax.models.transformer import forward
 from pallas_kernels import resolve_impl, score_max
 from pallas_kernels.dispatch import supports_head_dim
@@ -69,8 +69,6 @@ class RereadObserver:
         if self.scored_layers is not None and view.layer not in self.scored_layers:
             return jnp.zeros((B, K, m), jnp.float32)
         qm = (view.q.astype(jnp.float32) * view.scale).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-        chunk_k = slot_columns(view.k, self.chunk_start, m, axis=2).astype(jnp.float32)  # [B, K, m, H]
-        chunk_v = slot_columns(view.v, self.chunk_start, m, axis=2).astype(jnp.float32)
         real_row = (jnp.arange(T) < self.num_valid[:, None])[:, None, None, :]  # [B, 1, 1, T]
         query_norm = jnp.linalg.norm(view.hidden.astype(jnp.float32), axis=-1)[:, None, None, :]  # [B, 1, 1, T]
         query_norm = jnp.where(real_row, query_norm, 1.0)  # padding rows are masked below; never divide by 0
@@ -87,6 +85,7 @@ class RereadObserver:
         bias = jnp.where(real_row, bias, MASK_VALUE)
         if not self.kvzip_plus and resolve_impl(self.impl) == "pallas" and supports_head_dim(H):
             dtype = view.k.dtype  # products in the cache's dtype (bf16 on the matrix units), accumulated in float32
+            chunk_k = slot_columns(view.k, self.chunk_start, m, axis=2)  # [B, K, m, H]
             return score_max(qm.reshape(B, K, G * T, H).astype(dtype), chunk_k.astype(dtype),
                              bias.reshape(B, K, G * T), exp=self.variant == "softmax", impl=self.impl)  # [B, K, m]
         o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
@@ -103,7 +102,18 @@ class RereadObserver:
             stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
             return stat.max(axis=2)
 
-        return map_key_blocks(block_scores, (chunk_k, 2), (chunk_v, 2))  # [B, K, m]
+        # Each block of the chunk's keys is gathered from the cache inside the loop: gathered whole before it, XLA
+        # CPU would gather every layer's chunk at the start of the program and hold them all.
+        size = min(KEY_BLOCK, m)
+        n = -(-m // size)
+
+        def block(j):  # [B, K, size] scores of the chunk's keys [j size, (j + 1) size)
+            start = self.chunk_start + j * size
+            kb, vb = (slot_columns(x, start, size, axis=2).astype(jnp.float32) for x in (view.k, view.v))
+            return block_scores(kb, vb)
+
+        scores = jax.lax.map(block, jnp.arange(n))  # [n, B, K, size]
+        return jnp.moveaxis(scores, 0, 2).reshape(B, K, n * size)[:, :, :m]  # [B, K, m]
 
     @property
     def normaliser_subset(self):

@@ -58,8 +58,32 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return rotated.astype(x.dtype)
 
 
+MLP_TOKEN_BLOCK = 512  # most tokens per MLP block of a long input: its [T, 2F] intermediate is a forward's largest
+
+
 def mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> jax.Array:
-    """Gated MLP: act(x W_gate) * (x W_up) W_down. x [B, T, D], gate_up [D, 2F], down [F, D]."""
+    """Gated MLP: act(x W_gate) * (x W_up) W_down. x [B, T, D], gate_up [D, 2F], down [F, D].
+
+    Inputs longer than MLP_TOKEN_BLOCK run in a loop over equal token blocks of at most that many tokens, so the
+    [B, T, 2F] intermediate of a 2,048-token chunk never exists whole (written out, XLA CPU computes every block's
+    first product before any second one)."""
+    B, T, D = x.shape
+    n = -(-T // MLP_TOKEN_BLOCK)
+    if n == 1:
+        return _gated(x, gate_up, down, activation)
+    size = -(-T // n)
+    x = jnp.pad(x, [(0, 0), (0, n * size - T), (0, 0)])  # [B, n size, D]
+
+    def block(i, out):
+        xb = jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)  # [B, size, D]
+        return jax.lax.dynamic_update_slice_in_dim(out, _gated(xb, gate_up, down, activation), i * size, axis=1)
+
+    # The output starts as x * 0, not as constant zeros: XLA CPU computes a constant's broadcast at the start of the
+    # program, so every layer's would be live at once (XLA does not fold a float product by 0).
+    return jax.lax.fori_loop(0, n, block, x.astype(jnp.float32) * 0.0)[:, :T]
+
+
+def _gated(x, gate_up, down, activation: str):
     gate, up = jnp.split(linear(x, gate_up), 2, axis=-1)  # [B, T, F] each
     act = jax.nn.silu(gate) if activation == "silu" else jax.nn.gelu(gate, approximate=True)
     return linear(act * up, down)

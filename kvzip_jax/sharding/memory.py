@@ -8,10 +8,10 @@ Estimates in bytes per device (the most loaded one), from shapes alone:
   params      every parameter's shard (the partition rules)
   cache       L layers x K and V [B/data, K/tensor, C/seq, H] in the cache dtype, plus the keep mask (1 byte a slot)
   scores      KVzip scores [L, B, K, n] float32 over (data, tensor, seq), held until eviction
-  workspace   one chunk forward in float32: the residual stream and its norm [B, T, D], the fused projections
-              [B, T, (N + 2K) H] and [B, T, 2F] and the MLP's product [B, T, F] (projection widths over tensor),
-              the online-softmax blocks of attention (attention.BLOCK_ELEMENTS per KV head), the last-token logits,
-              and in scoring every layer's reread queries [B, T, N, H] (XLA keeps them to the chunk's end)
+  workspace   one layer of a chunk forward in float32 (nothing of a layer outlives it): the residual stream and
+              its norm [B, T, D], the fused projections [B, T, (N + 2K) H], the queries [B, T, N H] in a few
+              layouts, one MLP token block's [2F] and [F] (layers.MLP_TOKEN_BLOCK; widths over tensor), the
+              online-softmax blocks of attention (attention.BLOCK_ELEMENTS per KV head), the last-token logits
 Sharded dimensions divide their size (a dimension the axis does not divide stays whole). Activations, chunk width and
 XLA's own buffers make this an estimate: bench/long_context.py prints it beside the measured peak.
 """
@@ -28,6 +28,7 @@ import numpy as np
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import KvzipError
 from kvzip_jax.models.attention import BLOCK_ELEMENTS
+from kvzip_jax.models.layers import MLP_TOKEN_BLOCK
 from kvzip_jax.models.params import param_shapes
 from kvzip_jax.sharding.mesh import DATA, SEQ, TENSOR, axis_size, check_mesh, spec_for
 from kvzip_jax.sharding.rules import param_spec
@@ -35,6 +36,7 @@ from kvzip_jax.sharding.rules import param_spec
 GiB = 1 << 30
 PARTS = ("params", "cache", "scores", "workspace")
 DEFAULT_ROOM = 256  # slots a default cache keeps for a question and its answer (generate.prefill's reserve)
+QUERY_COPIES = 5  # a layer's query-sized buffers live at once (XLA CPU's buffer assignment of a reread chunk)
 
 
 class MemoryPlanError(KvzipError, MemoryError):
@@ -81,14 +83,14 @@ def plan(cfg: ModelConfig, dtype, context_tokens: int, batch: int = 1, mesh=None
     scores = 4 * L * _shard(mesh, (DATA, TENSOR, SEQ), (B, K, C)) if scoring else 0
     T = min(chunk, context_tokens) + (64 if scoring else 0)  # a reread chunk carries its prompt
     rows = _shard(mesh, (DATA, None), (B, T))
+    mlp_rows = _shard(mesh, (DATA, None), (B, -(-T // -(-T // MLP_TOKEN_BLOCK))))  # one MLP token block
     width = lambda n: _shard(mesh, (TENSOR,), (n,))
     N, D, F = cfg.num_heads, cfg.hidden_size, cfg.intermediate_size
-    activations = rows * (2 * D + width((N + 2 * K) * H) + width(2 * F) + width(F))
-    attention = _shard(mesh, (DATA, TENSOR), (B, K)) * BLOCK_ELEMENTS
-    # XLA holds every layer's reread queries [B, T, N, H] until the chunk's pass ends (XLA CPU's buffer assignment,
-    # seen in bench/long_context.py: its temp allocation is this plan's within a few %).
-    held_queries = L * rows * width(N * H) if scoring else 0
-    workspace = 4 * (activations + attention + held_queries + _shard(mesh, (DATA, None), (B, cfg.vocab_size)))
+    # One layer at a time: the residual stream and its norm, then either attention (the queries in QUERY_COPIES
+    # layouts: rotated, as attention rows, padded, the output; the online-softmax blocks) or one MLP token block.
+    attention = rows * QUERY_COPIES * width(N * H) + _shard(mesh, (DATA, TENSOR), (B, K)) * BLOCK_ELEMENTS
+    mlp = mlp_rows * (width(2 * F) + width(F))
+    workspace = 4 * (rows * 2 * D + max(attention, mlp) + _shard(mesh, (DATA, None), (B, cfg.vocab_size)))
     return MemoryPlan(params, cache, scores, workspace)
 
 
