@@ -78,9 +78,14 @@ def mlp(x: jax.Array, gate_up: jax.Array, down: jax.Array, activation: str) -> j
         xb = jax.lax.dynamic_slice_in_dim(x, i * size, size, axis=1)  # [B, size, D]
         return jax.lax.dynamic_update_slice_in_dim(out, _gated(xb, gate_up, down, activation), i * size, axis=1)
 
-    # The output starts as x * 0, not as constant zeros: XLA CPU computes a constant's broadcast at the start of the
-    # program, so every layer's would be live at once (XLA does not fold a float product by 0).
-    return jax.lax.fori_loop(0, n, block, x.astype(jnp.float32) * 0.0)[:, :T]
+    return jax.lax.fori_loop(0, n, block, zeros_from(x))[:, :T]
+
+
+def zeros_from(x: jax.Array) -> jax.Array:
+    """float32 zeros shaped like x, computed from x (x * 0; XLA does not fold a float product by 0), not as a
+    constant: XLA CPU computes a constant's broadcast at the start of the program, so a buffer every layer starts
+    from (a loop's initial output or accumulator) would be live for all layers at once."""
+    return x.astype(jnp.float32) * 0.0
 
 
 def _gated(x, gate_up, down, activation: str):
