@@ -24,7 +24,7 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.errors import KvzipError
-from kvzip_jax.models.attention import KEY_BLOCK, MASK_VALUE, AttentionView
+from kvzip_jax.models.attention import KEY_BLOCK, MASK_VALUE, AttentionView, map_key_blocks
 from kvzip_jax.models.transformer import forward
 from pallas_kernels import resolve_impl, score_max
 from pallas_kernels.dispatch import supports_head_dim
@@ -102,18 +102,14 @@ class RereadObserver:
             stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
             return stat.max(axis=2)
 
-        # Each block of the chunk's keys is gathered from the cache inside the loop: gathered whole before it, XLA
-        # CPU would gather every layer's chunk at the start of the program and hold them all.
         size = min(KEY_BLOCK, m)
-        n = -(-m // size)
 
-        def block(j):  # [B, K, size] scores of the chunk's keys [j size, (j + 1) size)
-            start = self.chunk_start + j * size
-            kb, vb = (slot_columns(x, start, size, axis=2).astype(jnp.float32) for x in (view.k, view.v))
+        def block(start):  # [B, K, size] scores of the chunk's keys [start, start + size)
+            kb, vb = (slot_columns(x, self.chunk_start + start, size, axis=2).astype(jnp.float32)
+                      for x in (view.k, view.v))
             return block_scores(kb, vb)
 
-        scores = jax.lax.map(block, jnp.arange(n))  # [n, B, K, size]
-        return jnp.moveaxis(scores, 0, 2).reshape(B, K, n * size)[:, :, :m]  # [B, K, m]
+        return map_key_blocks(block, m, size)  # [B, K, m]
 
     @property
     def normaliser_subset(self):

@@ -111,23 +111,21 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
     return keys, values, key_slots, mask
 
 
-def map_key_blocks(fn, *operands, size: int = KEY_BLOCK) -> jax.Array:
-    """Per-key statistics [B, K, S, ...] computed over blocks of `size` keys one at a time (lax.map), so an
-    observer's [rows x keys] intermediates never exceed one block. operands: (array, key axis) pairs sharing the key
-    count S; fn takes one block of each (key axis of length size, in place) and returns [B, K, size, ...]. The last
-    block is padded; its padding is dropped from the result."""
-    x0, axis0 = operands[0]
-    S = x0.shape[axis0]
-    size = min(size, S)
-    pad = -S % size
-
-    def blocks(x, axis):  # -> [S / size, ..., size, ...]
-        x = jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
-        return jnp.moveaxis(x.reshape(x.shape[:axis] + (-1, size) + x.shape[axis + 1:]), axis, 0)
-
-    out = jax.lax.map(lambda block: fn(*block), tuple(blocks(x, axis) for x, axis in operands))  # [N, B, K, size..]
+def map_key_blocks(block_stats, num_keys: int, size: int) -> jax.Array:
+    """Per-key statistics [B, K, num_keys, ...] computed over blocks of `size` keys one at a time (lax.map), so an
+    observer's [rows x keys] intermediates never exceed one block (size: KEY_BLOCK, or fewer for fewer keys).
+    block_stats(start) loads the keys [start, start + size) itself (take_keys), inside the loop: operands gathered
+    or padded whole before it, XLA CPU would make every layer's at the program's start and hold them all. It
+    returns [B, K, size, ...]; columns past num_keys (the last block's, clipped) are dropped."""
+    out = jax.lax.map(block_stats, jnp.arange(-(-num_keys // size)) * size)  # [N, B, K, size, ...]
     N, B, K = out.shape[:3]
-    return jnp.moveaxis(out, 0, 2).reshape((B, K, N * size) + out.shape[4:])[:, :, :S]
+    return jnp.moveaxis(out, 0, 2).reshape((B, K, N * size) + out.shape[4:])[:, :, :num_keys]
+
+
+def take_keys(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
+    """x restricted along `axis` to [start, start + size); indices past the end are clipped (map_key_blocks drops
+    those columns)."""
+    return jnp.take(x, jnp.clip(start + jnp.arange(size), 0, x.shape[axis] - 1), axis=axis)
 
 
 def _rows(q: jax.Array, scale: float) -> jax.Array:
