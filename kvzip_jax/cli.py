@@ -656,7 +656,7 @@ def _eval(args: argparse.Namespace) -> int:
             raise ValueError('--instruction is empty; give a text, "kvzip" or "none"')
         config = SweepConfig(methods=tuple(_csv(args.methods)), ratios=ratios, modes=tuple(_csv(args.modes)),
                              batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed,
-                             instruction=prompts.named_instruction(args.instruction))
+                             instruction=prompts.named_instruction(args.instruction), self_study=args.self_study)
     except ValueError as e:
         args.subparser.error(str(e))
     names = _csv(args.tasks) if args.tasks else ([] if args.jsonl else list(tasks.TASKS))
@@ -757,6 +757,9 @@ def _add_eval(subparsers) -> None:
                         "with the first question, reuse), oracle (recompress per question); query-aware methods")
     parser.add_argument("--batch-size", type=int, default=8, help="contexts per jitted batch")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk (tokens)")
+    parser.add_argument("--self-study", action="store_true", help="Attention Matching methods: add reference "
+                        "queries from turns the model writes about each context (a summary, its facts, questions "
+                        "and answers), beside the reread's")
     parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
     parser.add_argument("--instruction", default="kvzip", help='text that opens every user message before the '
                         'context, in the never-evicted prefix: "kvzip" (default) for KVzip\'s task instruction ("Given '

@@ -302,3 +302,24 @@ def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
         assert all(r["agree"] and r["kl"] == 0.0 for r in at(1.0)), method
         kls = [r["kl"] for r in at(0.2)]
         assert np.isfinite(kls).all() and np.mean(kls) > 0.0, method
+
+
+def test_self_study_turns_join_the_attention_matching_fit(model, tmp_path):
+    """--self-study: the model's own turns about each context join the reread's reference queries (off- and
+    on-policy), so the fitted caches answer differently; the setting is part of the results file's identity."""
+    from kvzip_jax.eval.results import SweepMismatchError
+
+    config = sw.SweepConfig(methods=("am-hak", "am-hak-op"), ratios=(0.2,), batch_size=3)
+    plain, studied = tmp_path / "plain" / "results.jsonl", tmp_path / "studied" / "results.jsonl"
+    sw.run_sweep(model, examples(), config, plain, progress=False)
+    sw.run_sweep(model, examples(), dataclasses.replace(config, self_study=True), studied, progress=False)
+    a, b = _by_key(plain), _by_key(studied)
+    assert set(a) == set(b)
+    for method in config.methods:
+        keys = [k for k in a if k[2] == method]
+        assert all(np.isfinite(b[k]["kl"]) for k in keys)
+        assert any(a[k]["kl"] != b[k]["kl"] for k in keys), method  # the probes' queries changed the fit
+    with pytest.raises(SweepMismatchError, match="self_study"):
+        sw.run_sweep(model, examples(), config, studied, progress=False)
+    with pytest.raises(ValueError, match="self_study"):
+        sw.SweepConfig(methods=("kvzip",), self_study=True)

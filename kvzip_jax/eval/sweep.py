@@ -10,7 +10,8 @@ Per batch of contexts (same task, similar lengths, right-padded):
   4. per method and mode, one scoring pass; per ratio, a masked cache (no copy of the scores or prefill).
      Attention Matching methods (matching.METHODS: am-hak, am-omp, kvzip-am, and the on-policy am-hak-op,
      kvzip-am-op) share one reference pass (KVzip's reread, which captures their queries and gives KVzip's scores
-     at once); per ratio, a compacted cache (on-policy ones rerun the reread layer by layer, per ratio).
+     at once; SweepConfig.self_study adds the queries of turns the model writes about each context); per ratio, a
+     compacted cache (on-policy ones rerun the reread layer by layer, per ratio).
 Modes: "reuse" compresses once without any question and answers every question (query-agnostic, the KVzip
 protocol); "first" compresses with the first question in view and reuses that cache for the rest; "oracle"
 recompresses per question. Query-independent methods (kvzip, streamingllm, random) run in "reuse" only.
@@ -70,6 +71,7 @@ class SweepConfig:
     chunk_size: int = DEFAULT_CHUNK  # KVzip reread chunk
     seed: int = 0  # the random baseline's key
     instruction: str | None = prompts.KVZIP_INSTRUCTION  # opens the user message before the context (prefix)
+    self_study: bool = False  # Attention Matching: self-study turns as reference queries beside the reread
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(METHODS))
@@ -81,6 +83,8 @@ class SweepConfig:
             check_ratio(ratio)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.self_study and not set(self.methods) & set(matching.METHODS):
+            raise ValueError("self_study adds Attention Matching reference queries: name an am-* or kvzip-am method")
 
     def modes_of(self, method: str) -> tuple[str, ...]:
         return self.modes if method in baselines.QUERY_AWARE else ("reuse",)
@@ -91,7 +95,7 @@ class SweepConfig:
         return dict(version=RESULTS_VERSION, model=model.name, **{f"model_{k}": v for k, v in
                                                                   model_identity(model.cfg, model.params).items()},
                     tokenizer=tokenizer_hash(model.tokenizer), instruction=self.instruction,
-                    chunk_size=self.chunk_size, seed=self.seed)
+                    chunk_size=self.chunk_size, seed=self.seed, **({"self_study": True} if self.self_study else {}))
 
 
 def example_hash(ex: Example) -> str:
@@ -216,12 +220,14 @@ _divergence = jax.jit(metrics.divergence_from)
 
 class _Shared:
     """What several methods of one batch share, computed once on first use: KVzip's reread inputs, and its reread
-    pass, which gives KVzip's scores and, when an Attention Matching method runs, captures its reference queries."""
+    pass, which gives KVzip's scores and, when an Attention Matching method runs, captures its reference queries
+    (with the self-study probes' when the sweep asks for them)."""
 
     def __init__(self, sweep: "Sweep", cache: kv.KVCache, context_rows, prefix_len):
         self._sweep, self._cache, self._context_rows, self._prefix_len = sweep, cache, context_rows, prefix_len
-        self._reread = self._queries = self._scores = None
+        self._reread = self._queries = self._scores = self._probes = None
         self._wants_queries = any(m in matching.METHODS for m in sweep.config.methods)
+        self.sources = ("repeat", "self-study") if sweep.config.self_study else ("repeat",)
 
     def reread(self) -> kvzip.RereadInputs:
         if self._reread is None:
@@ -229,11 +235,18 @@ class _Shared:
                                                self._sweep.config.chunk_size)
         return self._reread
 
+    def probes(self) -> matching.Probes | None:
+        """The self-study turns the model writes about each context (None unless the sweep asks for them)."""
+        if self._probes is None and self._sweep.config.self_study:
+            self._probes = matching.self_study.probes(self._sweep.params, self._sweep.model.cfg,
+                                                      self._sweep.model.tokenizer, self._cache)
+        return self._probes
+
     def queries(self) -> matching.ReferenceQueries:
         if self._queries is None:
-            config = matching.MatchingConfig()
             self._queries = _reference_queries(self._sweep.params, self._sweep.model.cfg, self._cache, self.reread(),
-                                               config.sources, config.query_cap, with_scores=True)
+                                               self.sources, matching.MatchingConfig().query_cap, with_scores=True,
+                                               probes=self.probes())
         return self._queries
 
     def kvzip_scores(self) -> jax.Array:
@@ -311,10 +324,10 @@ class Sweep:
                             continue
                         start = time.perf_counter()
                         if method in matching.METHODS:
-                            config = matching.method_config(method, float(ratio))
+                            config = matching.method_config(method, float(ratio), sources=shared.sources)
                             if config.on_policy:  # eagerly: its per-layer steps are jitted (matching.compact)
                                 masked, _ = matching.compact(self.params, self.model.cfg, cache, shared.reread(),
-                                                             config, queries=shared.queries())
+                                                             config, shared.probes(), queries=shared.queries())
                             else:
                                 masked, _ = _compacted(shared.queries(), self.model.cfg, cache, shared.reread(),
                                                        config)
