@@ -66,7 +66,7 @@ def test_bfloat16_keeps_the_float32_kvzip_pairs(model_pair):
     for params in (p32, p16):
         _, cache = gen.prefill(params, cfg, [tokens])
         reread = kvzip.reread_inputs(tok, [prefix_len], [tokens[prefix_len:]])
-        scores = kvzip.score(params, cfg, cache, reread)
+        scores = jax.jit(kvzip.score)(params, cfg, cache, reread)
         assert scores.dtype == jnp.float32
         keeps.append(np.asarray(kvzip.keep_mask(scores, jnp.asarray([context_len]), RATIO,
                                                 evictable=kvzip.scoring.evictable_layers(cfg))))
