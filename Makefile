@@ -9,12 +9,17 @@ PYTHON := $(VENV)/bin/python
 demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
 
-test: $(VENV)/.installed-test
-	$(PYTHON) -m pytest -q -p no:cacheprovider --durations=25 -m "not quality48 and not extended" tests
+# Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its module fixtures
+# load once). Each worker holds a bundled model or two: ~4 GiB at most.
+TEST_WORKERS ?= 2
 
-# Everything, the extended checks and the quality bar included (~45 minutes on 2 cores).
+test: $(VENV)/.installed-test
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 \
+		-m "not quality48 and not extended" tests
+
+# Everything, the extended checks and the quality bar included.
 test-all: $(VENV)/.installed-test
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests
 
 # The 48-question quality bar (tests/test_kvzip_quality.py; ~8 minutes on 2 cores): outside the default run.
 test-quality: $(VENV)/.installed-test
