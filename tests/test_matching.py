@@ -138,6 +138,21 @@ def test_the_fit_beats_plain_eviction_of_the_same_keys_on_new_queries():
     assert err(lse_am, want_lse) < 0.7 * err(lse_ev, want_lse)
 
 
+def test_the_value_ridge_shrinks_the_fitted_values_towards_the_kept_ones():
+    """value_ridge moves C_v from the least-squares fit (small) to the kept keys' own values (large), monotonically
+    in between; beta does not depend on it."""
+    q, k, v = _head(8, n=200, T=48)
+    selected = matching.highest_attention_keys(q, k, SCALE, 8)
+    fits = [matching.fit_head(q, k, v, selected, SCALE, value_ridge=r) for r in (1e-6, 1e-1, 1e1, 1e6)]
+    distance = [float(jnp.linalg.norm(cv - v[selected])) for _, _, cv in fits]
+    assert distance == sorted(distance, reverse=True) and distance[0] > 100 * distance[-1]
+    np.testing.assert_allclose(np.asarray(fits[-1][2]), np.asarray(v[selected]), atol=1e-4)
+    for _, beta, _ in fits[1:]:
+        np.testing.assert_array_equal(np.asarray(beta), np.asarray(fits[0][1]))
+    with pytest.raises(ValueError, match="value_ridge"):
+        matching.MatchingConfig(value_ridge=0.0)
+
+
 def test_edge_budgets_and_masked_keys_give_no_nan():
     q, k, v = _head(8)
     empty = matching.fit_head(q, k, v, jnp.zeros((0,), jnp.int32), SCALE)

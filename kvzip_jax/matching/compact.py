@@ -40,7 +40,7 @@ from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.matching.budgets import BUDGETS, head_counts, static_count
-from kvzip_jax.matching.fit import fit_head
+from kvzip_jax.matching.fit import RIDGE, fit_head
 from kvzip_jax.matching.queries import (
     SOURCES,
     Probes,
@@ -75,6 +75,8 @@ class MatchingConfig:
     on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
     < l are already compacted; the sources are then repeat and self-study.
     refine_steps: Adam steps (matching.refine) on beta and C_v from the closed form, per head (0: none).
+    value_ridge: the value fit's ridge towards the kept keys' own values, relative to the mean diagonal of its normal
+    equations (fit.RIDGE: a least-squares fit; large: the kept values themselves, only beta fitted).
     fit_batch: heads fitted at once (lax.map's batch_size; memory grows with it). 1 by default: 4-8 fitted ~20%
     faster on Qwen2.5 at 875 tokens, but 4 made the tiny random model of tests/test_eval_sweep.py run for minutes
     instead of seconds (cause not yet found).
@@ -94,6 +96,7 @@ class MatchingConfig:
     on_policy: bool = False
     fit_batch: int = 1
     refine_steps: int = 0
+    value_ridge: float = RIDGE
 
     def __post_init__(self):
         check_ratio(self.ratio)
@@ -108,6 +111,8 @@ class MatchingConfig:
             raise ValueError("head_cap, query_cap, omp_step, omp_refit and fit_batch must be >= 1")
         if self.refine_steps < 0:
             raise ValueError(f"refine_steps must be >= 0, got {self.refine_steps}")
+        if not self.value_ridge > 0:
+            raise ValueError(f"value_ridge must be > 0, got {self.value_ridge}")
         if self.needs_kvzip_scores and "repeat" not in self.sources:
             raise ValueError("KVzip's scores (selector kvzip, or global budgets by kvzip) need the 'repeat' source")
         if self.on_policy and "context" in self.sources:
@@ -265,7 +270,8 @@ def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size:
             _, selected = jax.lax.top_k(rank_h[:n], size)
         active = (jnp.arange(size) < count) & kv_h[selected]  # [S]
         c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
-                                  lower=lower, upper=upper, iters=iters, key_bias=b_h)
+                                  lower=lower, upper=upper, iters=iters, value_ridge=config.value_ridge,
+                                  key_bias=b_h)
         if config.refine_steps:  # keys stay at their slots: only beta and C_v move
             _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
                                           active=active, steps=config.refine_steps, key_bias=b_h)
