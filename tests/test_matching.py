@@ -153,6 +153,18 @@ def test_the_value_ridge_shrinks_the_fitted_values_towards_the_kept_ones():
         matching.MatchingConfig(value_ridge=0.0)
 
 
+def test_without_the_bias_fit_beta_is_zero_and_the_values_still_fitted():
+    q, k, v = _head(9, n=200, T=48)
+    selected = matching.highest_attention_keys(q, k, SCALE, 8)
+    lower, upper, iters = matching.MatchingConfig(fit_bias=False).box()
+    _, beta, cv = matching.fit_head(q, k, v, selected, SCALE, lower=lower, upper=upper, iters=iters)
+    np.testing.assert_array_equal(np.asarray(beta), 0.0)
+    weights = jax.nn.softmax(logits(q, k[selected], SCALE), axis=1)  # the kept keys' attention, no bias
+    target = jax.nn.softmax(logits(q, k, SCALE), axis=1) @ v
+    lstsq = np.linalg.lstsq(np.asarray(weights, np.float64), np.asarray(target, np.float64), rcond=None)[0]
+    np.testing.assert_allclose(np.asarray(cv), lstsq, atol=2e-3, rtol=2e-3)
+
+
 def test_edge_budgets_and_masked_keys_give_no_nan():
     q, k, v = _head(8)
     empty = matching.fit_head(q, k, v, jnp.zeros((0,), jnp.int32), SCALE)

@@ -77,6 +77,7 @@ class MatchingConfig:
     refine_steps: Adam steps (matching.refine) on beta and C_v from the closed form, per head (0: none).
     value_ridge: the value fit's ridge towards the kept keys' own values, relative to the mean diagonal of its normal
     equations (fit.RIDGE: a least-squares fit; large: the kept values themselves, only beta fitted).
+    fit_bias: fit beta to the attention mass (False: beta = 0, only the values fitted; an ablation).
     fit_batch: heads fitted at once (lax.map's batch_size; memory grows with it). 1 by default: 4-8 fitted ~20%
     faster on Qwen2.5 at 875 tokens, but 4 made the tiny random model of tests/test_eval_sweep.py run for minutes
     instead of seconds (cause not yet found).
@@ -97,6 +98,7 @@ class MatchingConfig:
     fit_batch: int = 1
     refine_steps: int = 0
     value_ridge: float = RIDGE
+    fit_bias: bool = True
 
     def __post_init__(self):
         check_ratio(self.ratio)
@@ -128,7 +130,9 @@ class MatchingConfig:
 
     def box(self) -> tuple[float, float, int]:
         """(lower, upper, gradient steps) of the NNLS weights: OMP's [1e-12, e^7] with none, else HAK's e^+-3
-        with 2 (the reference code's settings)."""
+        with 2 (the reference code's settings); [1, 1] (beta = 0) without fit_bias."""
+        if not self.fit_bias:
+            return 1.0, 1.0, 0
         return (1e-12, OMP_UPPER, 0) if self.selector == "omp" else (math.exp(-3.0), math.exp(3.0), 2)
 
 
