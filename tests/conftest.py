@@ -1,6 +1,5 @@
-"""Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), jax's
-compilation caches cleared between test modules before the process runs out of memory maps, and one on-disk
-compilation cache for the run, shared by the pytest-xdist workers and every subprocess a test starts.
+"""Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), and
+jax's compilation caches cleared between test modules before the process runs out of memory maps.
 
 Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
 repository's git-ignored checkpoints/ folder) and reused by later sessions.
@@ -11,8 +10,6 @@ from __future__ import annotations
 import gc
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -23,27 +20,12 @@ from kvzip_jax.weights import registry
 REPO_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
-_OWN_COMPILATION_CACHE: list[str] = []  # the directory this process made (removed when it ends)
-
-
 def pytest_configure(config):
-    # Programs that took over a second to compile (jax's default threshold) are written to disk once and loaded by
-    # later processes (xdist workers, CLI and notebook subprocesses) and after a cache clear below. The directory
-    # lives for one run: nothing carries over between runs. A directory set by the caller is used as it is.
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        _OWN_COMPILATION_CACHE.append(tempfile.mkdtemp(prefix="kvzip-jax-test-compiled-"))
-        os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE[0]  # inherited by workers and subprocesses
-    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
     config.addinivalue_line("markers", "slow: loads a 0.3-0.5B model through transformers (about a minute)")
     config.addinivalue_line("markers", "quality48: the 48-question quality bar (minutes; `make test-quality`, not in "
                             "`make test`)")
     config.addinivalue_line("markers", "extended: a slow check whose behaviour the default run covers through another "
                             "test (`make test-all`, not in `make test`)")
-
-
-def pytest_unconfigure(config):
-    for directory in _OWN_COMPILATION_CACHE:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
