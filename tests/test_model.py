@@ -272,8 +272,8 @@ def test_map_key_blocks_equals_the_whole_computation(size):
         s = jnp.einsum("BKTH,BKSH->BKTS", q, kb)
         return jnp.where(vis, s, -jnp.inf).max(axis=2)
 
-    def block(start):
-        return key_max(take_keys(keys, start, size, axis=2), take_keys(visible, start, size, axis=3))
+    def block(start, width):
+        return key_max(take_keys(keys, start, width, axis=2), take_keys(visible, start, width, axis=3))
 
     got = map_key_blocks(block, 10, size=size)
     assert got.shape == (2, 3, 10)

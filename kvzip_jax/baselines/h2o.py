@@ -23,7 +23,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots, window_columns
 from kvzip_jax.baselines.snapkv import window_sizes
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models.attention import KEY_BLOCK, AttentionView, map_key_blocks, take_keys
+from kvzip_jax.models.attention import AttentionView, map_key_blocks, take_keys
 
 DEFAULT_CHUNK = 512  # tokens replayed per observed pass (memory only: the sums do not depend on it)
 
@@ -45,13 +45,12 @@ class H2OObserver:
         keys = jnp.concatenate([view.k, view.k_new.astype(view.k.dtype)], axis=2).astype(jnp.float32)  # [B,K,S,H]
         visible = view.mask & real_rows(self.num_valid, T)[:, None, :, None]  # [B, K, T, S]
 
-        def block_sum(start):  # [B, K, size, G] weight sums of keys [start, start + size)
+        def block_sum(start, size):  # [B, K, size, G] weight sums of keys [start, start + size)
             kb, vis = take_keys(keys, start, size, axis=2), take_keys(visible, start, size, axis=3)
             stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb) - view.lse[..., None]  # log softmax weights
             return jnp.where(vis[:, :, None], jnp.exp(stat), 0.0).sum(axis=3).transpose(0, 1, 3, 2)
 
-        size = min(KEY_BLOCK, keys.shape[2])
-        stat = map_key_blocks(block_sum, keys.shape[2], size)  # [B, K, S, G]
+        stat = map_key_blocks(block_sum, keys.shape[2])  # [B, K, S, G]
         return jax.vmap(lambda head_stat: to_slots(view, head_stat), in_axes=3, out_axes=2)(stat)
 
 

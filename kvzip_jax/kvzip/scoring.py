@@ -24,7 +24,7 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.errors import KvzipError
-from kvzip_jax.models.attention import KEY_BLOCK, MASK_VALUE, AttentionView, map_key_blocks
+from kvzip_jax.models.attention import MASK_VALUE, AttentionView, map_key_blocks, take_keys
 from kvzip_jax.models.transformer import forward
 from pallas_kernels import resolve_impl, score_max
 from pallas_kernels.dispatch import supports_head_dim
@@ -102,14 +102,12 @@ class RereadObserver:
             stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
             return stat.max(axis=2)
 
-        size = min(KEY_BLOCK, m)
-
-        def block(start):  # [B, K, size] scores of the chunk's keys [start, start + size)
+        def block(start, size):  # [B, K, size] scores of the chunk's keys [start, start + size)
             kb, vb = (slot_columns(x, self.chunk_start + start, size, axis=2).astype(jnp.float32)
                       for x in (view.k, view.v))
             return block_scores(kb, vb)
 
-        return map_key_blocks(block, m, size)  # [B, K, m]
+        return map_key_blocks(block, m)  # [B, K, m]
 
     @property
     def normaliser_subset(self):
@@ -126,8 +124,7 @@ class RereadObserver:
 def slot_columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
     """x [B, ...] restricted along `axis` to [start, start + size) per row (start [B]); indices past the end are
     clipped (those columns lie past the chunk and are never used)."""
-    index = jnp.clip(start[:, None] + jnp.arange(size), 0, x.shape[axis] - 1)  # [B, size]
-    return jax.vmap(lambda row, i: jnp.take(row, i, axis=axis - 1))(x, index)
+    return jax.vmap(lambda row, row_start: take_keys(row, row_start, size, axis - 1))(x, start)
 
 
 @jax.tree_util.register_dataclass

@@ -111,14 +111,15 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
     return keys, values, key_slots, mask
 
 
-def map_key_blocks(block_stats, num_keys: int, size: int) -> jax.Array:
-    """Per-key statistics [B, K, num_keys, ...] computed over blocks of `size` keys one at a time (lax.map), so an
-    observer's [rows x keys] intermediates never exceed one block (size: KEY_BLOCK, or fewer for fewer keys).
-    block_stats(start) loads the keys [start, start + size) itself (take_keys), inside the loop: operands gathered
-    or padded whole before it, XLA CPU would make every layer's at the program's start and hold them all. It
-    returns [B, K, size, ...]; columns past num_keys (the last block's, clipped) are dropped."""
-    out = jax.lax.map(block_stats, jnp.arange(-(-num_keys // size)) * size)  # [N, B, K, size, ...]
-    N, B, K = out.shape[:3]
+def map_key_blocks(block_stats, num_keys: int, size: int = KEY_BLOCK) -> jax.Array:
+    """Per-key statistics [B, K, num_keys, ...] computed over blocks of `size` keys (fewer for fewer keys) one at a
+    time (lax.map), so an observer's [rows x keys] intermediates never exceed one block. block_stats(start, size)
+    loads the keys [start, start + size) itself (take_keys), inside the loop: operands gathered or padded whole
+    before it, XLA CPU would make every layer's at the program's start and hold them all. It returns
+    [B, K, size, ...]; columns past num_keys (the last block's, clipped) are dropped."""
+    size = min(size, num_keys)
+    out = jax.lax.map(lambda start: block_stats(start, size), jnp.arange(-(-num_keys // size)) * size)
+    N, B, K = out.shape[:3]  # [N, B, K, size, ...]
     return jnp.moveaxis(out, 0, 2).reshape((B, K, N * size) + out.shape[4:])[:, :, :num_keys]
 
 
