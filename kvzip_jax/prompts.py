@@ -91,10 +91,17 @@ class ChatLayout:
     answer_header: str
 
 
+def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer puts BOS before a text of its own accord, asked by tokenizing (its `add_bos_token`
+    attribute does not survive every save_pretrained round trip: Gemma's reads False after one)."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
+
+
 def chat_layout(tokenizer: PreTrainedTokenizerBase, system: str | None = None) -> ChatLayout:
     """Renders the tokenizer's chat template around a marker; the plain layout when it has no template."""
     if tokenizer.chat_template is None:
-        bos = tokenizer.bos_token if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token else ""
+        bos = tokenizer.bos_token if _adds_bos(tokenizer) else ""
         return ChatLayout(prefix=bos + (system + "\n\n" if system else ""), answer_header=PLAIN_ANSWER_HEADER)
     rendered = _render(tokenizer, _USER_MESSAGE_MARKER, system)
     if rendered.count(_USER_MESSAGE_MARKER) != 1:

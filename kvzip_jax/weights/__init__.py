@@ -3,7 +3,7 @@
 from kvzip_jax.weights.checkpoint import load_checkpoint, save_checkpoint
 from kvzip_jax.weights.gguf import config_from_gguf, params_from_gguf
 from kvzip_jax.weights.hf import params_from_hf
-from kvzip_jax.weights.registry import BUNDLED, LoadedModel, bundled_gguf, convert, load
+from kvzip_jax.weights.registry import BUNDLED, LoadedModel, bundled_gguf, convert, converted, load
 
 __all__ = [
     "BUNDLED",
@@ -11,6 +11,7 @@ __all__ = [
     "bundled_gguf",
     "config_from_gguf",
     "convert",
+    "converted",
     "load",
     "load_checkpoint",
     "params_from_gguf",

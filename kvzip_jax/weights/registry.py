@@ -7,6 +7,7 @@ Bundled GGUFs that ship in parts are assembled (sha256-checked, atomically) into
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -157,6 +158,39 @@ def _placed(params: dict, cfg: ModelConfig, dtype, mesh) -> dict:
     return params if mesh is None else sharding.shard_params(params, cfg, mesh)
 
 
+@contextlib.contextmanager
+def _conversion_lock(directory: Path):
+    """An exclusive POSIX lock on the sibling file .<name>.lock while a bundled model is converted: concurrent
+    loaders (test workers, the processes of a sweep) wait for the first conversion instead of repeating it. Where
+    fcntl is missing they may convert twice; the checkpoint's atomic rename keeps that safe."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with open(directory.parent / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def converted(name: str, checkpoints_dir: str | Path | None = None) -> Path:
+    """The checkpoint folder <checkpoints_dir>/<name> of a bundled model, converted from its GGUF on first use (once:
+    concurrent callers wait for the first conversion)."""
+    if name not in BUNDLED:
+        raise ModelFileError(f"{name!r} is not a bundled model ({', '.join(BUNDLED)})")
+    directory = Path(checkpoints_dir or default_checkpoints_dir()) / name
+    if not is_checkpoint(directory):
+        with _conversion_lock(directory):
+            if not is_checkpoint(directory):  # else a concurrent caller converted it while this one waited
+                try:
+                    convert(gguf=bundled_gguf(name, checkpoints_dir), out=directory)
+                except ModelFileError:
+                    if not is_checkpoint(directory):  # else a writer outside the lock converted it first
+                        raise
+    return directory
+
+
 def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dtype="auto", mesh=None) -> LoadedModel:
     """A bundled model by name (converted into <checkpoints_dir>/<name>/ on first use), or a path: a converted
     checkpoint folder, an HF folder (config.json + safetensors) or a .gguf file. dtype: "auto" (bfloat16 on GPU and
@@ -166,14 +200,7 @@ def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dt
     dtype = dtypes.resolve(dtype)
     if str(name_or_path) in BUNDLED:
         name = str(name_or_path)
-        directory = Path(checkpoints_dir or default_checkpoints_dir()) / name
-        if not is_checkpoint(directory):
-            try:
-                convert(gguf=bundled_gguf(name, checkpoints_dir), out=directory)
-            except ModelFileError:
-                if not is_checkpoint(directory):  # else a concurrent loader converted it first
-                    raise
-        return LoadedModel(name, *load_checkpoint(directory, dtype, mesh))
+        return LoadedModel(name, *load_checkpoint(converted(name, checkpoints_dir), dtype, mesh))
     path = Path(name_or_path)
     if is_checkpoint(path):
         return LoadedModel(path.name, *load_checkpoint(path, dtype, mesh))
