@@ -9,9 +9,10 @@ memory is its own. Per length:
   - KVzip scoring (kvzip.score: the reread passes and the scores): compile time (AOT; the reread chunks run in
     lax.map, so it stays flat with the context) and execution time;
   - scoring's extra memory: peak resident set during the scoring call minus the resident set just before it,
-    sampled every 2 ms (the scores it returns included), beside the cache's bytes, XLA's temp allocation for the
-    compiled program (memory_analysis) and the memory planner's estimate of scores + one chunk's workspace
-    (sharding.memory.plan);
+    sampled every 2 ms (the scores it returns included), and its two parts apart: anonymous memory (what the run
+    allocates: heap, XLA's buffers) and file-backed pages (mapped files paged in, such as the library's code);
+    beside them the cache's bytes, XLA's temp allocation for the compiled program (memory_analysis) and the memory
+    planner's estimate of scores + one chunk's workspace (sharding.memory.plan);
   - the four facts asked of the full cache and of KVzip at --ratio (right answers out of 4).
 Writes bench/results/long-context.txt.
 """
@@ -27,6 +28,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def resident() -> dict:
+    """This process's resident bytes now (Linux /proc/self/status): total, anonymous (heap, XLA's buffers) and
+    file-backed (pages of mapped files such as the jax library's code, shared with the page cache)."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return {"total": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"] + fields["RssShmem"]}
 
 
 def measure(tokens: int, ratio: float, chunk: int) -> dict:
@@ -69,12 +82,12 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     out["score_compile_s"] = time.perf_counter() - start
     out["score_temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes  # XLA's own working set of the program
     jax.block_until_ready(cache)
-    memory_before = memory.process_memory()
-    peak, done = [memory_before], threading.Event()
+    before = resident()
+    peak, done = dict(before), threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], memory.process_memory())
+            peak.update({k: max(v, peak[k]) for k, v in resident().items()})
             time.sleep(0.002)
 
     sampler = threading.Thread(target=sample)
@@ -84,7 +97,9 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     out["score_s"] = time.perf_counter() - start
     done.set()
     sampler.join()
-    out["score_extra_bytes"] = peak[0] - memory_before  # the scores [L, 1, K, n] float32 included
+    out["score_extra_bytes"] = peak["total"] - before["total"]  # the scores [L, 1, K, n] float32 included
+    out["score_extra_anon_bytes"] = peak["anon"] - before["anon"]  # allocated memory (heap, XLA's buffers)
+    out["score_extra_file_bytes"] = peak["file"] - before["file"]  # mapped files paged in (library code)
     keep = kvzip.keep_mask(scores, reread.context_len, ratio, "pair", evictable_layers(cfg))
     masked = jax.tree.map(jnp.copy, kv.mask_context(cache, keep, reread.prefix_len, reread.context_len))  # own K, V
     planned = memory.plan(cfg, jnp.float32, out["context"] + prompt.context_start, 1, None, chunk, capacity=capacity)
@@ -127,13 +142,16 @@ def main() -> None:
     MiB = 1 << 20
     lines = [f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, reread chunk {args.chunk}, KVzip at {args.ratio}",
              "| tokens | prefill s | prefill compile s | scoring s | scoring compile s | cache MiB | scoring extra MiB "
-             "(% of cache) | XLA temp MiB | planned MiB | facts right full / KVzip |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "(% of cache) | of it anonymous / file-backed MiB | XLA temp MiB | planned MiB | "
+             "facts right full / KVzip |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         lines.append(
             f"| {r['tokens']:,} | {r['prefill_s']:.0f} | {r['prefill_compile_s']:.1f} | {r['score_s']:.0f} | "
             f"{r['score_compile_s']:.1f} | {r['cache_bytes'] / MiB:.0f} | {r['score_extra_bytes'] / MiB:.0f} "
-            f"({100 * r['score_extra_bytes'] / r['cache_bytes']:.1f}%) | {r['score_temp_bytes'] / MiB:.0f} | "
+            f"({100 * r['score_extra_bytes'] / r['cache_bytes']:.1f}%) | "
+            f"{r['score_extra_anon_bytes'] / MiB:.0f} ({100 * r['score_extra_anon_bytes'] / r['cache_bytes']:.1f}%)"
+            f" / {r['score_extra_file_bytes'] / MiB:.0f} | {r['score_temp_bytes'] / MiB:.0f} | "
             f"{r['planned_workspace_bytes'] / MiB:.0f} | "
             f"{r['right_full']} / {r['right_kvzip']} of {r['questions']} |")
     text = "\n".join(lines) + "\n"

@@ -1,5 +1,5 @@
-"""Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), and
-jax's compilation caches cleared between test modules before the process runs out of memory maps.
+"""Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), their
+tokenizers, and jax's compilation caches cleared between test modules before the process runs out of memory maps.
 
 Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
 repository's git-ignored checkpoints/ folder) and reused by later sessions.
@@ -7,6 +7,7 @@ repository's git-ignored checkpoints/ folder) and reused by later sessions.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import importlib.util
 import os
@@ -16,6 +17,7 @@ import jax
 import pytest
 
 from kvzip_jax.weights import registry
+from kvzip_jax.weights.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
 
 REPO_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
@@ -83,3 +85,26 @@ def qwen_gguf() -> Path:
 def gemma_gguf() -> Path:
     """Gemma 3 270M base, Q4_K_M (gemma3 architecture)."""
     return _bundled_gguf(registry.GEMMA)
+
+
+def tokenizer_folder(name: str) -> Path:
+    """<checkpoints>/_tokenizers/<name>/: a bundled model's tokenizer as tokenizer_from_gguf reads it, saved once
+    (atomically, under a lock the test workers share). transformers' GGUF reader takes 9-24 s per load on 2 cores,
+    the saved copy about a second; test_weights checks that a saved GGUF tokenizer tokenizes and templates as the
+    GGUF's own."""
+    folder = _checkpoints_dir() / "_tokenizers" / name
+    if not folder.is_dir():
+        gguf = _bundled_gguf(name)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with open(folder.parent / f".{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not folder.is_dir():
+                partial = folder.with_name(f".{name}.tmp-{os.getpid()}")
+                tokenizer_from_gguf(gguf).save_pretrained(partial)
+                partial.rename(folder)
+    return folder
+
+
+def bundled_tokenizer(name: str):
+    """The tokenizer of a bundled model (tokenizer_folder's saved copy of its GGUF's)."""
+    return tokenizer_from_hf(tokenizer_folder(name))

@@ -13,21 +13,20 @@ import pytest
 
 from kvzip_jax import dtypes, kvzip, prompts
 from kvzip_jax import generate as gen
-from kvzip_jax.weights.gguf import params_from_gguf
-from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
+from kvzip_jax.weights import registry
 
 DOCUMENT = (Path(__file__).resolve().parents[1] / "kvzip_jax" / "data" / "demo_document.txt").read_text()
 POSITIONS = 1200  # teacher-forced positions compared (the issue asks for >= 1,000)
 RATIO = 0.3
 
 
-@pytest.fixture(scope="module", params=["smollm2_gguf", "qwen_gguf"])
+@pytest.fixture(scope="module", params=[registry.SMOLLM2, registry.QWEN])
 def model_pair(request):
-    """(name, tokenizer, cfg, float32 params, bfloat16 params)."""
-    path = request.getfixturevalue(request.param)
-    cfg, params = params_from_gguf(path)
-    return path.stem, tokenizer_from_gguf(path), cfg, dtypes.cast_params(params, "float32"), dtypes.cast_params(
-        params, "bfloat16")
+    """(name, tokenizer, cfg, float32 params, bfloat16 params), from the bundled model's converted checkpoint (it
+    stores the GGUF's dequantized float32 / float16 tensors as they are)."""
+    gguf = request.getfixturevalue("smollm2_gguf" if request.param == registry.SMOLLM2 else "qwen_gguf")
+    model = registry.load(request.param, gguf.parent.parent, dtype="float32")  # <checkpoints>/_gguf/<name>.gguf
+    return model.name, model.tokenizer, model.cfg, model.params, dtypes.cast_params(model.params, "bfloat16")
 
 
 def _context(tok, limit: int) -> np.ndarray:

@@ -51,7 +51,7 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smoll
         assert jax.tree.structure(back) == jax.tree.structure(cache) and manifest["meta"] == {"form": form}
         for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(back)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        if form != "compacted":
+        if form == "ragged":
             want[form] = _answer(restored, jax.tree.map(jnp.copy, cache), suffix)
     script = textwrap.dedent(f"""
         import json, sys
@@ -59,7 +59,7 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smoll
         from kvzip_jax.weights import registry
         model = registry.load({str(smollm2_checkpoint)!r})
         out = {{}}
-        for form in ("masked", "ragged"):  # the compacted form's arrays are checked in this process
+        for form in ("ragged",):  # the masked and compacted forms' arrays are checked in this process
             cache, _ = cache_io.load({str(tmp_path)!r} + "/" + form, model)
             out[form] = gen.ask(model.params, model.cfg, cache, {list(map(int, suffix))!r}, 12,
                                 stop_tokens=prompts.stop_token_ids(model.tokenizer))[0]

@@ -12,7 +12,6 @@ import pytest
 from kvzip_jax import cli, prompts
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
-from kvzip_jax.weights.checkpoint import is_checkpoint
 from tests.conftest import _checkpoints_dir
 from tests.test_kvzip_score import tiny_config
 
@@ -25,10 +24,7 @@ QUESTION = "Who piloted the helicopter?"
 @pytest.fixture(scope="module")
 def smollm2_checkpoint(smollm2_gguf):
     """The converted SmolLM2 checkpoint folder (converted once if absent)."""
-    directory = _checkpoints_dir() / registry.SMOLLM2
-    if not is_checkpoint(directory):
-        registry.convert(gguf=smollm2_gguf, out=directory)
-    return directory
+    return registry.converted(registry.SMOLLM2, _checkpoints_dir())
 
 
 @pytest.fixture(scope="module")

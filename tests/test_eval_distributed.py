@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,23 +25,25 @@ from kvzip_jax.eval import results
 from kvzip_jax.eval import sweep as sw
 from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, SweepMismatchError, record_key
 from kvzip_jax.weights import registry
+from tests.conftest import tokenizer_folder
 
+TESTS = Path(__file__).resolve().parent
 TIMEOUT = 240  # seconds, per process
 SWEEP = ("--methods", "kvzip", "--ratios", "1,0.5", "--batch-size", "2", "--no-progress")
 WORKER = textwrap.dedent("""
     import sys
-    gguf, argv = sys.argv[1], sys.argv[2:]
-    sys.path.insert(0, {tests!r})
+    folder, argv = sys.argv[1], sys.argv[2:]
+    sys.path[:0] = [{tests!r}, {root!r}]  # test_eval_sweep, and the tests package it imports from
     from kvzip_jax import cli
     from kvzip_jax.weights import registry, tokenizer
 
     def tiny(name, dtype="auto"):  # imported late: the test module computes at import, and --distributed must
         from test_eval_sweep import tiny_model  # initialise jax.distributed before the backend starts
-        return tiny_model(tokenizer.tokenizer_from_gguf(gguf))
+        return tiny_model(tokenizer.tokenizer_from_hf(folder))
 
     registry.load = tiny
     sys.exit(cli.main(argv))
-""").format(tests=os.path.dirname(os.path.abspath(__file__)))
+""").format(tests=str(TESTS), root=str(TESTS.parent))
 
 
 def write_tasks(path) -> None:
@@ -58,8 +61,8 @@ def write_tasks(path) -> None:
 class Sweeps:
     """Starts `kvzip-jax eval` processes (two CPU devices each) over one task file."""
 
-    def __init__(self, root, gguf):
-        self.root, self.gguf, self.tasks = root, str(gguf), root / "toy.jsonl"
+    def __init__(self, root, tokenizer: str):
+        self.root, self.tokenizer, self.tasks = root, tokenizer, root / "toy.jsonl"
         write_tasks(self.tasks)
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KVZIP_PROCESS_")}
         self.env = {**clean, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
@@ -69,7 +72,7 @@ class Sweeps:
     def start(self, out: str, *flags: str, devices: int = 2) -> subprocess.Popen:
         argv = ["eval", "--model", "tiny", "--jsonl", str(self.tasks), *SWEEP, "--out", str(self.root / out), *flags]
         env = {**self.env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        return subprocess.Popen([sys.executable, "-c", WORKER, self.gguf, *argv], env=env,
+        return subprocess.Popen([sys.executable, "-c", WORKER, self.tokenizer, *argv], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -93,11 +96,11 @@ def by_key(path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def sweeps(smollm2_gguf, tmp_path_factory):
+def sweeps(tmp_path_factory):
     """One process sweeps everything (into one/, compiling into the shared cache); then two processes take a share
     each (into two/), the second killed by SIGKILL as soon as it has written records, and restarted.
     -> (the Sweeps, the killed share's file as the kill left it)."""
-    runs = Sweeps(tmp_path_factory.mktemp("processes"), smollm2_gguf)
+    runs = Sweeps(tmp_path_factory.mktemp("processes"), str(tokenizer_folder(registry.SMOLLM2)))
     finish(runs.start("one"))
     first = runs.start("two", "--process-index", "0", "--process-count", "2")
     second = runs.start("two", "--process-index", "1", "--process-count", "2")

@@ -18,7 +18,9 @@ from kvzip_jax.eval import sweep as sw
 from kvzip_jax.eval.results import ResultsFile, record_key
 from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.models.params import init_params
+from kvzip_jax.weights import registry
 from kvzip_jax.weights.registry import LoadedModel
+from tests.conftest import bundled_tokenizer, tokenizer_folder
 
 METHODS = ("kvzip", "snapkv", "pyramidkv", "h2o", "streamingllm", "random")
 CONFIG = sw.SweepConfig(methods=METHODS, ratios=(1.0, 0.5, 0.2), modes=("reuse", "first", "oracle"), batch_size=3)
@@ -44,10 +46,8 @@ def examples() -> list[Example]:
 
 
 @pytest.fixture(scope="module")
-def model(smollm2_gguf):
-    from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
-
-    return tiny_model(tokenizer_from_gguf(smollm2_gguf))
+def model():
+    return tiny_model(bundled_tokenizer(registry.SMOLLM2))
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +235,7 @@ def test_sweep_config_rejects_bad_choices():
 
 
 @pytest.mark.extended  # covered by test_eval_distributed (a 4-device replica answers as a 2-device process) and
-def test_two_devices_give_the_same_answers_as_one(smollm2_gguf, tmp_path):  # test_sharding's (8, 1, 1) mesh
+def test_two_devices_give_the_same_answers_as_one(tmp_path):  # test_sharding's (8, 1, 1) mesh
     script = textwrap.dedent(f"""
         import json, sys
         import jax
@@ -243,9 +243,9 @@ def test_two_devices_give_the_same_answers_as_one(smollm2_gguf, tmp_path):  # te
         from test_eval_sweep import tiny_model, examples
         from kvzip_jax import sharding
         from kvzip_jax.eval import placement, sweep as sw
-        from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
+        from kvzip_jax.weights.tokenizer import tokenizer_from_hf
         assert jax.device_count() == 2
-        model = tiny_model(tokenizer_from_gguf({str(smollm2_gguf)!r}))
+        model = tiny_model(tokenizer_from_hf({str(tokenizer_folder(registry.SMOLLM2))!r}))
         config = sw.SweepConfig(methods=("kvzip", "snapkv"), ratios=(0.5,), batch_size=3)
         mesh = sharding.data_mesh()
         assert mesh.axis_names == ("data", "seq", "tensor") and mesh.devices.shape == (2, 1, 1)

@@ -16,6 +16,8 @@ from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.errors import KvzipError, ModelFileError
 from kvzip_jax.kvzip import head_level
 from kvzip_jax.models.params import init_params
+from kvzip_jax.weights import registry
+from tests.conftest import bundled_tokenizer
 from tests.test_kvzip_score import _inputs, oracle_scores, tiny_config
 
 PREFIX, CONTEXT = 4, 36
@@ -47,10 +49,8 @@ def test_head_scores_are_the_max_over_the_context_of_the_oracle_pair_scores(num_
     assert len(set(np.round(heads.ravel(), 4))) == heads.size  # distinct heads: a mix-up of heads would show
 
 
-def test_head_scores_of_a_text_use_its_first_tokens_as_a_context(smollm2_gguf):
-    from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
-
-    tok = tokenizer_from_gguf(smollm2_gguf)
+def test_head_scores_of_a_text_use_its_first_tokens_as_a_context():
+    tok = bundled_tokenizer(registry.SMOLLM2)
     cfg = ModelConfig(architecture="llama", vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6, max_position=1024,
                       rope=RopeSpec(1000.0))

@@ -30,23 +30,18 @@ def _bench_quality():
 
 @pytest.fixture(scope="module")
 def minutes(qwen_gguf):
-    """Answers to the six questions of one context: full cache, and masked caches at ratios 1.0 and 0.3."""
+    """Answers to the six questions of one context: full cache, and the masked cache at ratio 0.3 (ratio 1.0's
+    equality with the full cache is checked on a tiny model: tests/test_compressed_cache.py)."""
     quality = _bench_quality()
     model = registry.load(registry.QWEN, qwen_gguf.parent.parent)  # <checkpoints>/_gguf/<name>.gguf
     item = quality.load_contexts([CONTEXT])[CONTEXT]
-    records, _ = quality.run_context(model, CONTEXT, item, ratios=(1.0, 0.3), levels=("pair",))
+    records, _ = quality.run_context(model, CONTEXT, item, ratios=(0.3,), levels=("pair",))
     for r in records:
         print(f"{r.level} {r.ratio}: {r.question} -> {r.answer!r} (correct {r.correct}, equal {r.equal_to_full})")
     full = [r for r in records if r.level == quality.FULL]
-    at = {ratio: [r for r in records if r.level == "pair" and r.ratio == ratio] for ratio in (1.0, 0.3)}
-    assert len(full) == len(at[1.0]) == len(at[0.3]) == 6
+    at = [r for r in records if r.level == "pair" and r.ratio == 0.3]
+    assert len(full) == len(at) == 6
     return full, at
-
-
-@pytest.mark.slow
-def test_ratio_one_answers_equal_the_full_cache(minutes):
-    _, at = minutes
-    assert all(r.equal_to_full for r in at[1.0]), "ratio 1.0 keeps every pair: answers must equal the full cache's"
 
 
 @pytest.mark.slow
@@ -54,8 +49,8 @@ def test_ratio_0_3_holds_todays_floor(minutes):
     """The level measured today (5/6 right, full cache 6/6; 1/6 answers equal the full cache's), as a floor that a
     regression in scoring, eviction or the compressed cache would break."""
     full, at = minutes
-    right, full_right = sum(r.correct for r in at[0.3]), sum(r.correct for r in full)
-    equal = sum(r.equal_to_full for r in at[0.3])
+    right, full_right = sum(r.correct for r in at), sum(r.correct for r in full)
+    equal = sum(r.equal_to_full for r in at)
     assert full_right == 6 and right >= 5 and equal >= 1, (full_right, right, equal)
 
 

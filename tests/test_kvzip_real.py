@@ -15,8 +15,9 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, prompts
+from kvzip_jax.weights import registry
 from kvzip_jax.weights.gguf import params_from_gguf
-from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
+from tests.conftest import bundled_tokenizer
 
 DOCUMENT = (Path(__file__).resolve().parents[1] / "kvzip_jax" / "data" / "demo_document.txt").read_text()
 CHUNK = 512
@@ -62,7 +63,7 @@ def torch_scores(model, prefix_len, context_len, cache, reread_rows, chunk_size)
 def smollm2(smollm2_gguf):
     """SmolLM2 in both frameworks with a 1,500-token context prefilled: (tokenizer, prompt, our params and cache, the
     transformers model and its cache)."""
-    tok = tokenizer_from_gguf(smollm2_gguf)
+    tok = bundled_tokenizer(registry.SMOLLM2)
     context_ids = prompts.encode_text(tok, DOCUMENT)[:1500]
     prompt, _ = prompts.split_for_reuse(tok, tok.decode(context_ids), [])
     cfg, params = params_from_gguf(smollm2_gguf)

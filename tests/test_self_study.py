@@ -8,16 +8,16 @@ import pytest
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, matching, prompts
 from kvzip_jax.matching import self_study
+from kvzip_jax.weights import registry
+from tests.conftest import bundled_tokenizer
 
 from .test_compact import compact_jit_and_eager
 from .test_eval_sweep import tiny_model
 
 
 @pytest.fixture(scope="module")
-def setup(smollm2_gguf):
-    from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
-
-    model = tiny_model(tokenizer_from_gguf(smollm2_gguf))
+def setup():
+    model = tiny_model(bundled_tokenizer(registry.SMOLLM2))
     texts = ["The code of the blue door is 4471. Ada keeps the key. " * 3, "Bo met Cy in Lima on May 2. " * 4]
     parts = [prompts.split_for_reuse(model.tokenizer, t, [])[0] for t in texts]
     _, cache = gen.prefill(model.params, model.cfg, [p.ids() for p in parts])  # capacity: exactly the prompts

@@ -6,6 +6,7 @@ own models' state dicts, mapped to our layout by `reference_params` below, indep
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import importlib.util
@@ -210,8 +211,16 @@ def test_cli_convert(tmp_path, smol_hf_dir, capsys):
 
 
 def test_load_bundled_converts_once(tmp_path, monkeypatch, smollm2_gguf):
+    """Two concurrent loaders of a model not yet converted: one converts, the other waits for it; later loads read
+    the checkpoint."""
     monkeypatch.setenv("KVZIP_CHECKPOINTS", str(tmp_path))
-    first = load(registry.SMOLLM2)
+    conversions, convert = [], registry.convert
+    monkeypatch.setattr(registry, "convert", lambda **kw: conversions.append(kw) or convert(**kw))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first, other = pool.map(lambda _: load(registry.SMOLLM2), range(2))
+    assert len(conversions) == 1 and other.cfg == first.cfg
+    with pytest.raises(ModelFileError, match="not a bundled model"):
+        registry.converted("no-such-model")
     assert (tmp_path / registry.SMOLLM2 / "params").is_dir()
     assert first.name == registry.SMOLLM2 and first.cfg.num_layers == 30
     monkeypatch.setattr(registry, "params_from_gguf", lambda *_: pytest.fail("converted twice"))
