@@ -12,8 +12,9 @@ import pytest
 from nbclient import NotebookClient
 
 from kvzip_jax.models.params import init_params
+from kvzip_jax.weights import registry
 from kvzip_jax.weights.checkpoint import save_checkpoint
-from tests.test_cli import restored, smollm2_checkpoint  # noqa: F401 (fixtures: restored needs the checkpoint)
+from tests.conftest import bundled_tokenizer
 from tests.test_kvzip_score import tiny_config
 
 COLAB = Path(__file__).resolve().parents[1] / "colab"
@@ -50,12 +51,13 @@ def _text(outputs) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(restored, tmp_path_factory):  # noqa: F811
+def tiny_checkpoint(tmp_path_factory):
     """A tiny random model with SmolLM2's tokenizer, as a checkpoint folder: the notebooks' plumbing, printouts and
     pictures need no trained model (the CLI tests answer from SmolLM2's compressed caches, tests/test_cli.py)."""
-    cfg = dataclasses.replace(tiny_config(2), vocab_size=restored.cfg.vocab_size)
+    tokenizer = bundled_tokenizer(registry.SMOLLM2)
+    cfg = dataclasses.replace(tiny_config(2), vocab_size=len(tokenizer))
     path = tmp_path_factory.mktemp("tiny") / "tiny"
-    return save_checkpoint(path, cfg, init_params(cfg, seed=1, scale=0.15), restored.tokenizer)
+    return save_checkpoint(path, cfg, init_params(cfg, seed=1, scale=0.15), tokenizer)
 
 
 @pytest.mark.parametrize("name", sorted(SMALL))
