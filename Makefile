@@ -11,12 +11,16 @@ demo: $(VENV)/.installed
 
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its module fixtures
 # load once). Each worker holds a bundled model or two: ~4 GiB at most. XLA compiles the tests' programs with LLVM at
-# -O0 (TEST_XLA_FLAGS): the same HLO, no fast-math either way, a quarter less time on these small inputs.
+# -O0 (TEST_XLA_FLAGS): the same HLO, no fast-math either way, a quarter less time on these small inputs. Compiled
+# programs go to jax's persistent compilation cache (TEST_JAX_CACHE, at most 2 GB, least recently used out): the
+# workers and the tests' subprocesses compile many of the same programs (a bundled model's prefill and decode).
 TEST_WORKERS ?= 2
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
+TEST_JAX_CACHE ?= $(CURDIR)/checkpoints/_jax_cache
 
 test: $(VENV)/.installed-test
-	XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 \
+	XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" JAX_COMPILATION_CACHE_DIR="$(TEST_JAX_CACHE)" \
+	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=25 \
 		-m "not quality48 and not extended" tests
 
 # Everything, the extended checks and the quality bar included.

@@ -7,7 +7,6 @@ repository's git-ignored checkpoints/ folder) and reused by later sessions.
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import importlib.util
 import os
@@ -58,6 +57,11 @@ def _map_limit() -> int:
         return 65530
 
 
+def simulated_devices_flags(devices: int) -> str:
+    """XLA_FLAGS for a subprocess on `devices` simulated CPU devices, keeping this run's own flags (make test's -O0)."""
+    return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def _checkpoints_dir() -> Path:
     return Path(os.environ.get("KVZIP_CHECKPOINTS") or REPO_CHECKPOINTS)
 
@@ -95,9 +99,7 @@ def tokenizer_folder(name: str) -> Path:
     folder = _checkpoints_dir() / "_tokenizers" / name
     if not folder.is_dir():
         gguf = _bundled_gguf(name)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with open(folder.parent / f".{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with registry.folder_lock(folder):
             if not folder.is_dir():
                 partial = folder.with_name(f".{name}.tmp-{os.getpid()}")
                 tokenizer_from_gguf(gguf).save_pretrained(partial)

@@ -25,7 +25,7 @@ from kvzip_jax.eval import results
 from kvzip_jax.eval import sweep as sw
 from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, SweepMismatchError, record_key
 from kvzip_jax.weights import registry
-from tests.conftest import tokenizer_folder
+from tests.conftest import simulated_devices_flags, tokenizer_folder
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT = 240  # seconds, per process
@@ -65,13 +65,13 @@ class Sweeps:
         self.root, self.tokenizer, self.tasks = root, tokenizer, root / "toy.jsonl"
         write_tasks(self.tasks)
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KVZIP_PROCESS_")}
-        self.env = {**clean, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-                    "JAX_COMPILATION_CACHE_DIR": str(root / "compiled"),
+        self.env = {**clean, "JAX_PLATFORMS": "cpu",
+                    "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(root / "compiled"),
                     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
 
     def start(self, out: str, *flags: str, devices: int = 2) -> subprocess.Popen:
         argv = ["eval", "--model", "tiny", "--jsonl", str(self.tasks), *SWEEP, "--out", str(self.root / out), *flags]
-        env = {**self.env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        env = {**self.env, "XLA_FLAGS": simulated_devices_flags(devices)}
         return subprocess.Popen([sys.executable, "-c", WORKER, self.tokenizer, *argv], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -20,7 +20,7 @@ from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.registry import LoadedModel
-from tests.conftest import bundled_tokenizer, tokenizer_folder
+from tests.conftest import bundled_tokenizer, simulated_devices_flags, tokenizer_folder
 
 METHODS = ("kvzip", "snapkv", "pyramidkv", "h2o", "streamingllm", "random")
 CONFIG = sw.SweepConfig(methods=METHODS, ratios=(1.0, 0.5, 0.2), modes=("reuse", "first", "oracle"), batch_size=3)
@@ -255,7 +255,7 @@ def test_two_devices_give_the_same_answers_as_one(tmp_path):  # test_sharding's 
         one = sharding.make_mesh(data=1)
         sw.run_sweep(model, examples(), config, {str(tmp_path / "one.jsonl")!r}, progress=False, mesh=one)
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": simulated_devices_flags(2), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     two, one = _by_key(tmp_path / "two.jsonl"), _by_key(tmp_path / "one.jsonl")

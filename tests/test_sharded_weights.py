@@ -34,6 +34,7 @@ from kvzip_jax.models.transformer import forward
 from kvzip_jax.weights import load, load_checkpoint, params_from_hf, save_checkpoint
 from kvzip_jax.weights.assemble import SourceTensor, assemble_params, flat_param_shapes, source_shape
 from kvzip_jax.weights.hf import _slot
+from tests.conftest import simulated_devices_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, TIMEOUT_S = 8, 300
@@ -89,7 +90,7 @@ def write_hf_folder(name: str, folder: Path) -> Path:
 def run_checks(*args: str) -> str:
     """Runs this file as a script on DEVICES simulated CPU devices; returns its output, failing on an error."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
+               XLA_FLAGS=simulated_devices_flags(DEVICES))
     start = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=TIMEOUT_S)

@@ -16,6 +16,7 @@ from kvzip_jax import sharding
 from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.kvzip.budget import top_counts
 from kvzip_jax.sharding.select import ordered_keys
+from tests.conftest import simulated_devices_flags
 
 MESHES = ("8,1,1", "1,1,4", "2,1,4", "1,2,4", "2,2,2")
 
@@ -24,7 +25,7 @@ def test_sharded_runs_equal_one_device():
     """Per mesh: prefill logits, KVzip scores and 16 greedy decode steps over the masked cache within 1e-5 of the
     unsharded run, kept masks bit-identical, every output's sharding the rules', parameter bytes per device about
     total / tensor, and the distributed selection equal to the sort on random, tie-heavy and all-equal scores."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=simulated_devices_flags(8),
                TF_CPP_MIN_LOG_LEVEL="2")
     script = Path(__file__).with_name("multidevice_checks.py")
     done = subprocess.run([sys.executable, str(script), *MESHES], env=env, capture_output=True, text=True,

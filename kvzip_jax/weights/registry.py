@@ -159,10 +159,10 @@ def _placed(params: dict, cfg: ModelConfig, dtype, mesh) -> dict:
 
 
 @contextlib.contextmanager
-def _conversion_lock(directory: Path):
-    """An exclusive POSIX lock on the sibling file .<name>.lock while a bundled model is converted: concurrent
-    loaders (test workers, the processes of a sweep) wait for the first conversion instead of repeating it. Where
-    fcntl is missing they may convert twice; the checkpoint's atomic rename keeps that safe."""
+def folder_lock(directory: Path):
+    """An exclusive POSIX lock on the sibling file .<name>.lock while a folder is written once for all (a bundled
+    model's conversion, a saved tokenizer): concurrent writers (test workers, the processes of a sweep) wait for the
+    first instead of repeating it. Where fcntl is missing they may write twice; an atomic rename keeps that safe."""
     try:
         import fcntl
     except ImportError:
@@ -181,7 +181,7 @@ def converted(name: str, checkpoints_dir: str | Path | None = None) -> Path:
         raise ModelFileError(f"{name!r} is not a bundled model ({', '.join(BUNDLED)})")
     directory = Path(checkpoints_dir or default_checkpoints_dir()) / name
     if not is_checkpoint(directory):
-        with _conversion_lock(directory):
+        with folder_lock(directory):
             if not is_checkpoint(directory):  # else a concurrent caller converted it while this one waited
                 try:
                     convert(gguf=bundled_gguf(name, checkpoints_dir), out=directory)
