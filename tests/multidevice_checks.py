@@ -8,6 +8,7 @@ Prints one line "ok MESH" per mesh (data, seq, tensor); an AssertionError otherw
 
 from __future__ import annotations
 
+import re
 import sys
 
 import jax
@@ -20,7 +21,9 @@ from kvzip_jax import kvzip, sharding
 from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.kvzip.scoring import RereadInputs
+from kvzip_jax.models.attention import blocked_attention
 from kvzip_jax.models.params import init_params
+from kvzip_jax.models.seq_attention import merged_attention, seq_split
 from kvzip_jax.sharding import segments
 
 CFG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
@@ -132,8 +135,51 @@ def check_mesh(shape, reference, params):
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     tensor = shape[2]
     assert len(held) == mesh.size and max(held.values()) <= 1.03 * total / tensor, (max(held.values()), total)
+    # A decode step and the KVzip reread move no K or V between devices (over seq: attention per shard, merged
+    # through the LSE).
+    with jax.set_mesh(mesh):
+        for name in ("masked", "packed"):
+            step = gen.forward_step.lower(got["params"], got["tokens"][-1][:, None], jnp.ones((B,), jnp.int32),
+                                          got[name], CFG)
+            gathers = re.findall(r"= (\S+) (?:all-gather|all-to-all)\(", step.compile().as_text())
+            assert not gathers, f"a decode step over the {name} cache gathers {gathers}"
+        large = sharding.shard_cache(kv.init_cache(CFG, B, 1024), mesh)  # several key blocks per seq shard
+        reread_text = jax.jit(kvzip.score).lower(got["params"], CFG, large, reread(inputs()[1])).compile().as_text()
+        gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", reread_text)
+        assert not gathers, f"the KVzip reread gathers {gathers}"
+    if shape[1] > 1:
+        check_merge(mesh)
     check_ties(mesh)
     print("ok", ",".join(map(str, shape)), flush=True)
+
+
+def check_merge(mesh):
+    """Attention split over seq and merged through the LSE equals blocked_attention on one device: holes, biases,
+    a sliding window, and a row whose keys are all masked (out 0, no NaN)."""
+    rng = np.random.default_rng(2)
+    T, K, G, H, C = 3, 4, 2, 16, 96
+    q = jnp.asarray(rng.normal(size=(B, T, K, G, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, K, C, H)), jnp.float32) for _ in range(2))
+    filled = jnp.asarray(rng.integers(T, C, (B, K)), jnp.int32).at[0, 0].set(0)
+    keep = jnp.asarray(rng.random((B, K, C)) < 0.7).at[1, 2].set(False)
+    bias = jnp.asarray(rng.normal(size=(B, K, C)), jnp.float32)
+    query_slots = filled[..., None] - T + jnp.arange(T, dtype=jnp.int32)
+    subset = lambda slots: (slots < 5) | ((slots >= 40) & (slots < 70))  # noqa: E731
+    in_subset = subset(jnp.broadcast_to(jnp.arange(C), (B, K, C)))
+    layer = kv.LayerCache(k=k, v=v, lengths=filled, keep=keep, bias=bias)
+    for window in (None, 40):
+        want = blocked_attention(q, k, v, filled, None, None, query_slots, window, 0.25, keep, subset=subset,
+                                 key_bias=bias)
+        with jax.set_mesh(mesh):
+            placed = jax.device_put(layer, sharding.cache_shardings(kv.KVCache((layer,), filled[:, 0]), mesh).layers[0])
+            split = seq_split(k.shape)
+            assert split is not None
+            got = jax.jit(merged_attention, static_argnums=(3, 4, 5))(q, placed, query_slots, window, 0.25, split,
+                                                                      in_subset)
+        for part, expected, name in zip(got, want, ("out", "lse", "subset_lse")):
+            assert not np.isnan(np.asarray(part)).any(), name
+            close(part, expected, f"attention merged over seq shards: {name}, window {window}")
+        assert not np.asarray(got[0])[1, :, 2].any(), "a row seeing no key must give 0"
 
 
 def check_ties(mesh):

@@ -318,3 +318,27 @@ def test_blocked_attention_over_cache_and_new_keys_equals_dense_softmax(window):
             np.testing.assert_allclose(np.asarray(out)[b, :, h], expected_out, atol=1e-5)
             np.testing.assert_allclose(np.asarray(lse)[b, h], expected_lse, atol=1e-5)
             np.testing.assert_allclose(np.asarray(subset_lse)[b, h], expected_subset, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_new_keys_after_the_cache_alone_equal_one_pass(window):
+    """then_new_keys continues blocked_attention's result over the cache alone (as merged from seq shards) with the
+    new keys: out, lse and the subset's lse equal one pass over [cache | new keys], with a head whose cache is empty
+    and a kept mask with holes."""
+    from kvzip_jax.models.attention import blocked_attention, then_new_keys
+
+    rng = np.random.default_rng(4)
+    B, K, G, H, C, T, scale = 2, 2, 3, 8, 64, 70, 0.3
+    q = jnp.asarray(rng.normal(size=(B, T, K, G, H)), jnp.float32)
+    k, v, k_new, v_new = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+                          for shape in [(B, K, C, H)] * 2 + [(B, K, T, H)] * 2)
+    filled = jnp.asarray(rng.integers(10, C, (B, K)), jnp.int32).at[0, 1].set(0)
+    keep = jnp.asarray(rng.random((B, K, C)) < 0.8)
+    query_slots = filled[..., None] + jnp.arange(T, dtype=jnp.int32)
+    subset = lambda slots: (slots < 5) | ((slots >= 20) & (slots < 40))
+    whole = blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window, scale, keep, subset=subset)
+    cached = blocked_attention(q, k, v, filled, None, None, query_slots, window, scale, keep, subset=subset)
+    parts = then_new_keys(q, *cached, k_new, v_new, filled, query_slots, window, scale)
+    for got, want, name in zip(parts, whole, ("out", "lse", "subset_lse")):
+        assert np.isfinite(np.asarray(got)).all(), name
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, err_msg=name)

@@ -286,6 +286,19 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
     return _finish(state, q)
 
 
+def then_new_keys(q, out, lse, subset_lse, k_new, v_new, filled, query_slots, window: int | None, scale: float):
+    """blocked_attention over [cache | new keys] from its result over the cache alone (out [B, T, K, G, H], lse and
+    subset_lse [B, K, G, T], as blocked_attention returns them with k_new None): the online-softmax state is rebuilt
+    (running max lse, normaliser 1, weighted values out, subset normaliser exp(subset_lse - lse)) and the T new keys
+    visited. Used where the cache's part was computed elsewhere (seq shards merged, seq_attention.py)."""
+    B, T, K, G, H = q.shape
+    qm = _rows(q, scale)
+    m = lse.reshape(B, K, G * T)  # [B, K, M]: rows ordered (g, t), as _rows orders them
+    acc = out.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    state = (m, jnp.ones_like(m), acc, jnp.exp(subset_lse.reshape(B, K, G * T) - m))
+    return _finish(_visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window), q)
+
+
 def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window: int | None, scale: float,
                      block: int, key_bias=None) -> jax.Array:
     """blocked_attention's result over a ragged layer: k, v [B, S, H] hold per-head segments that start at

@@ -17,6 +17,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models import attention, layers
 from kvzip_jax.models.params import layer_name, param_shapes
+from kvzip_jax.models.seq_attention import merged_attention, seq_split
 from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
 from kvzip_jax.sharding.rules import constrain_cache
 from pallas_kernels import decode_attention, ragged_decode, resolve_impl
@@ -86,6 +87,9 @@ class Block(nn.Module):
     def _attend_written(self, q, layer_cache, query_slots, window):
         """Attention over a cache that already holds this step's keys -> out [B, T, K, G, H]."""
         scale, filled = self.cfg.query_scale, layer_cache.lengths
+        split = None if isinstance(layer_cache, kv.RaggedLayerCache) else seq_split(layer_cache.k.shape)
+        if split is not None:  # slots over the mesh's seq axis: per shard, merged through the log-sum-exp
+            return merged_attention(q, layer_cache, query_slots, window, scale, split)[0]
         if _decode_kernel_applies(self.cfg, q, window):
             return _decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
         if isinstance(layer_cache, kv.RaggedLayerCache):
@@ -104,9 +108,18 @@ class Block(nn.Module):
         if isinstance(layer_cache, kv.RaggedLayerCache):
             raise ValueError("observers read dense caches; a ragged cache cannot be observed")
         subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
-        out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
-                                                           query_slots, window, cfg.query_scale, layer_cache.keep,
-                                                           subset=subset, key_bias=layer_cache.bias)
+        split = seq_split(layer_cache.k.shape)
+        if split is None:
+            out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
+                                                               query_slots, window, cfg.query_scale, layer_cache.keep,
+                                                               subset=subset, key_bias=layer_cache.bias)
+        else:  # the cache per seq shard, merged through the log-sum-exp; then the new keys
+            slots = jnp.broadcast_to(jnp.arange(layer_cache.capacity, dtype=jnp.int32),
+                                     filled.shape + (layer_cache.capacity,))  # [B, K, C]
+            cached = merged_attention(q, layer_cache, query_slots, window, cfg.query_scale, split,
+                                      None if subset is None else subset(slots))
+            out, lse, subset_lse = attention.then_new_keys(q, *cached, k_new, v_new, filled, query_slots, window,
+                                                           cfg.query_scale)
         # Dense weights for the observer; XLA drops them if it never reads them.
         keys, values, key_slots, mask = attention.dense_keys(layer_cache.k, layer_cache.v, k_new, v_new, filled,
                                                              query_slots, window, layer_cache.keep)

@@ -1,0 +1,86 @@
+"""Attention over a cache whose slots are split over the mesh's seq axis: each seq shard attends over its own slots,
+and the shards' results merge through their log-sum-exp. No key or value leaves its device.
+
+    split = seq_split(layer_cache.k.shape)      # None: no mesh, seq = 1, or seq does not divide the slots
+    out, lse, subset_lse = merged_attention(q, layer_cache, query_slots, window, scale, split)
+
+Left to GSPMD, the online softmax's loop over key blocks slices the slot axis at run-time offsets, and XLA gathers
+every layer's whole K and V onto each device at every decode step. Here each shard runs blocked_attention on its
+C / S slots (lengths and query slots shifted to its first slot; masks compare slot differences, so they hold),
+giving out_s and lse_s per query row; then with m = max_s lse_s (pmax over seq):
+
+    out = sum_s out_s exp(lse_s - m) / sum_s exp(lse_s - m)        (two psums of [B, K, G, T] rows and the outputs)
+
+and lse = m + log sum_s exp(lse_s - m) (the subset normaliser likewise). A shard whose slots a row cannot see has
+lse_s = MASK_VALUE (finite), so its weight is exp(MASK_VALUE - m) = 0; a row no shard can see gets out 0, as on one
+device. Observed passes (the KVzip reread) attend to new keys outside the cache: attention.then_new_keys continues
+the merged result with them.
+
+Einsum legend: B batch, T query positions, K KV heads, G query heads per KV head, H head dim, C cache slots.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from kvzip_jax import cache as kv
+from kvzip_jax.models.attention import MASK_VALUE, blocked_attention
+from kvzip_jax.sharding.mesh import DATA, SEQ, TENSOR, current_mesh, spec_for
+
+
+class SeqSplit(typing.NamedTuple):
+    """The current mesh and the cache's layout on it, PartitionSpec(data | None, tensor | None, seq, None)."""
+
+    mesh: typing.Any
+    spec: PartitionSpec
+
+
+def seq_split(k_shape: tuple[int, ...]) -> SeqSplit | None:
+    """How a cache's k [B, K, C, H] is laid out by the partition rules on the current mesh, when its slots are split
+    over seq (seq > 1 divides C); else None."""
+    mesh = current_mesh()
+    if mesh is None:
+        return None
+    spec = spec_for(mesh, (DATA, TENSOR, SEQ, None), k_shape)
+    return SeqSplit(mesh, spec) if spec[2] == SEQ else None
+
+
+def merged_attention(q, layer_cache: kv.LayerCache, query_slots, window: int | None, scale: float, split: SeqSplit,
+                     in_subset=None):
+    """blocked_attention of q [B, T, K, G, H] over a dense cache's visible slots, one seq shard at a time, merged
+    exactly; query_slots [B, K, T]; in_subset [B, K, C] bool marks the slots of the subset normaliser (None: all).
+    -> (out [B, T, K, G, H] in q's dtype, lse, subset_lse [B, K, G, T]) as blocked_attention returns them."""
+    data, tensor = split.spec[0], split.spec[1]
+    rows, slots = PartitionSpec(data, tensor, None, None), PartitionSpec(data, tensor, SEQ)
+    query_spec = PartitionSpec(data, None, tensor, None, None)
+    optional = {name: x for name, x in (("keep", layer_cache.keep), ("bias", layer_cache.bias),
+                                        ("in_subset", in_subset)) if x is not None}
+
+    def local(q, k, v, filled, query_slots, *arrays):  # this shard's C / S slots
+        extra = dict(zip(optional, arrays))
+        width = k.shape[2]
+        first = jax.lax.axis_index(SEQ) * width  # the shard's first slot
+        subset = None
+        if "in_subset" in extra:
+            subset = lambda slots: jnp.take_along_axis(extra["in_subset"], slots, axis=2)  # noqa: E731
+        out, lse, subset_lse = blocked_attention(q, k, v, jnp.clip(filled - first, 0, width), None, None,
+                                                 query_slots - first, window, scale, extra.get("keep"), subset=subset,
+                                                 key_bias=extra.get("bias"))  # out [B, T, K, G, H], lse [B, K, G, T]
+        top = jax.lax.pmax(lse, SEQ)
+        weight = jnp.exp(lse - top)  # [B, K, G, T]
+        total = jax.lax.psum(weight, SEQ)  # >= 1: the shard holding the max contributes exp(0)
+        share = (weight / total).transpose(0, 3, 1, 2)[..., None]  # [B, T, K, G, 1]
+        out = jax.lax.psum(out.astype(jnp.float32) * share, SEQ).astype(q.dtype)
+        subset_total = jax.lax.psum(jnp.exp(subset_lse - top), SEQ)  # 0: no visible key of the subset
+        saw = top > MASK_VALUE / 2  # the row sees a key on some shard (as attention._finish marks it)
+        log = lambda x: jnp.where(saw, top + jnp.log(jnp.where(saw, x, 1.0)), MASK_VALUE)  # noqa: E731
+        return out, log(total), log(subset_total)
+
+    in_specs = (query_spec, split.spec, split.spec, PartitionSpec(data, tensor), PartitionSpec(data, tensor, None))
+    return jax.shard_map(local, mesh=split.mesh, in_specs=in_specs + (slots,) * len(optional),
+                         out_specs=(query_spec, rows, rows), check_vma=False)(
+        q, layer_cache.k, layer_cache.v, layer_cache.lengths, query_slots, *optional.values())
