@@ -23,7 +23,7 @@ from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.kvzip.scoring import RereadInputs
 from kvzip_jax.models.attention import blocked_attention
 from kvzip_jax.models.params import init_params
-from kvzip_jax.models.seq_attention import merged_attention, seq_split
+from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding import segments
 
 CFG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
@@ -147,8 +147,13 @@ def check_mesh(shape, reference, params):
         reread_text = jax.jit(kvzip.score).lower(got["params"], CFG, large, reread(inputs()[1])).compile().as_text()
         gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", reread_text)
         assert not gathers, f"the KVzip reread gathers {gathers}"
+        chunk = gen.forward_step.lower(got["params"], jnp.zeros((B, CHUNK), jnp.int32), jnp.full((B,), CHUNK), large,
+                                       CFG)
+        gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", chunk.compile().as_text())
+        assert not gathers, f"a prefill chunk gathers {gathers}"
     if shape[1] > 1:
         check_merge(mesh)
+        check_write(mesh)
     check_ties(mesh)
     print("ok", ",".join(map(str, shape)), flush=True)
 
@@ -180,6 +185,25 @@ def check_merge(mesh):
             assert not np.isnan(np.asarray(part)).any(), name
             close(part, expected, f"attention merged over seq shards: {name}, window {window}")
         assert not np.asarray(got[0])[1, :, 2].any(), "a row seeing no key must give 0"
+
+
+def check_write(mesh):
+    """Rows written shard by shard equal cache.write: a block across shard boundaries, padding rows, rows past the
+    capacity dropped, and the lengths."""
+    rng = np.random.default_rng(3)
+    K, H, C, T = 4, 16, 96, 40
+    k, v = (jnp.asarray(rng.normal(size=(B, K, C, H)), jnp.float32) for _ in range(2))
+    k_new, v_new = (jnp.asarray(rng.normal(size=(B, K, T, H)), jnp.float32) for _ in range(2))
+    filled = jnp.asarray(rng.integers(0, C, (B, K)), jnp.int32).at[0].set(C - 5)  # row 0 overflows
+    num_new = jnp.asarray(rng.integers(1, T + 1, B), jnp.int32).at[0].set(T)
+    layer = kv.LayerCache(k=k, v=v, lengths=filled)
+    want = kv.write(layer, k_new, v_new, num_new)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(layer, sharding.cache_shardings(kv.KVCache((layer,), filled[:, 0]), mesh).layers[0])
+        split = seq_split(k.shape)
+        got = jax.jit(split_write, static_argnums=(4,))(placed, k_new, v_new, num_new, split)
+    for name in ("k", "v", "lengths"):
+        assert (np.asarray(getattr(got, name)) == np.asarray(getattr(want, name))).all(), f"split_write: {name}"
 
 
 def check_ties(mesh):

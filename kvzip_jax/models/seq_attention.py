@@ -1,10 +1,15 @@
-"""Attention over a cache whose slots are split over the mesh's seq axis: each seq shard attends over its own slots,
-and the shards' results merge through their log-sum-exp. No key or value leaves its device.
+"""Attention over a cache whose slots are split over the mesh's seq axis: each seq shard writes and attends over its
+own slots, and the shards' results merge through their log-sum-exp. No key or value leaves its device.
 
     split = seq_split(layer_cache.k.shape)      # None: no mesh, seq = 1, or seq does not divide the slots
+    layer_cache = split_write(layer_cache, k_new, v_new, num_new, split)
     out, lse, subset_lse = merged_attention(q, layer_cache, query_slots, window, scale, split)
 
-Left to GSPMD, the online softmax's loop over key blocks slices the slot axis at run-time offsets, and XLA gathers
+Left to GSPMD, cache.write's update at a run-time offset of the sharded slot axis gathers each layer's K and V for
+a prefill chunk; split_write has each shard store the new rows that fall in its own slots (a scatter dropping the
+rest), with cache.write's rules: padding rows and rows past the capacity are never stored.
+
+Likewise, the online softmax's loop over key blocks slices the slot axis at run-time offsets, and XLA gathers
 every layer's whole K and V onto each device at every decode step. Here each shard runs blocked_attention on its
 C / S slots (lengths and query slots shifted to its first slot; masks compare slot differences, so they hold),
 giving out_s and lse_s per query row; then with m = max_s lse_s (pmax over seq):
@@ -84,3 +89,27 @@ def merged_attention(q, layer_cache: kv.LayerCache, query_slots, window: int | N
     return jax.shard_map(local, mesh=split.mesh, in_specs=in_specs + (slots,) * len(optional),
                          out_specs=(query_spec, rows, rows), check_vma=False)(
         q, layer_cache.k, layer_cache.v, layer_cache.lengths, query_slots, *optional.values())
+
+
+def split_write(layer: kv.LayerCache, k_new, v_new, num_new, split: SeqSplit) -> kv.LayerCache:
+    """cache.write of the first num_new [B] of k_new, v_new [B, K, T, H] at each head's filled length, on a dense
+    cache whose slots are split over seq: each shard scatters the rows that land in its own slots."""
+    data, tensor = split.spec[0], split.spec[1]
+    new_spec = PartitionSpec(data, tensor, None, None)  # the new rows, on every seq shard
+
+    def local(k, v, filled, k_new, v_new, count):
+        B, K, width, _ = k.shape
+        rows = jnp.arange(k_new.shape[2], dtype=jnp.int32)
+        target = (filled - jax.lax.axis_index(SEQ) * width)[..., None] + rows  # [B, K, T] slots of this shard
+        stored = (rows < count[:, None, None]) & (target >= 0) & (target < width)
+        target = jnp.where(stored, target, width)  # past the end: dropped
+        batch, head = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
+        put = lambda cache, new: cache.at[batch, head, target].set(new.astype(cache.dtype), mode="drop")  # noqa: E731
+        return put(k, k_new), put(v, v_new)
+
+    k, v = jax.shard_map(local, mesh=split.mesh, in_specs=(split.spec, split.spec, PartitionSpec(data, tensor),
+                                                           new_spec, new_spec, PartitionSpec(data)),
+                         out_specs=(split.spec, split.spec), check_vma=False)(
+        layer.k, layer.v, layer.lengths, k_new, v_new, num_new.astype(jnp.int32))
+    lengths = jnp.minimum(layer.lengths + num_new[:, None].astype(jnp.int32), layer.capacity)  # as cache.write
+    return kv.LayerCache(k=k, v=v, lengths=lengths, keep=layer.keep, bias=layer.bias)

@@ -17,7 +17,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models import attention, layers
 from kvzip_jax.models.params import layer_name, param_shapes
-from kvzip_jax.models.seq_attention import merged_attention, seq_split
+from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
 from kvzip_jax.sharding.rules import constrain_cache
 from pallas_kernels import decode_attention, ragged_decode, resolve_impl
@@ -68,11 +68,11 @@ class Block(nn.Module):
         o_proj = p("o")  # [N H, D]
         window = cfg.window_for(i)
         if self.observer is None:  # write first, so XLA updates a donated cache in place (see attention.py)
-            layer_cache = kv.write(layer_cache, k_new, v_new, num_new)
+            layer_cache = _write(layer_cache, k_new, v_new, num_new)
             out, observed = self._attend_written(q, layer_cache, query_slots, window), None
         else:
             out, observed = self._observe(q, h, layer_cache, k_new, v_new, query_slots, window, o_proj)
-            layer_cache = kv.write(layer_cache, k_new, v_new, num_new)
+            layer_cache = _write(layer_cache, k_new, v_new, num_new)
         attn = layers.linear(out.reshape(B, T, N * H), o_proj)  # [B, T, D]
 
         if cfg.sandwich_norms:
@@ -130,6 +130,14 @@ class Block(nn.Module):
             key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
             lse=lse, subset_lse=subset_lse, o_proj=o_proj, scale=cfg.query_scale))
         return out, observed
+
+
+def _write(layer_cache: kv.LayerCache, k_new, v_new, num_new) -> kv.LayerCache:
+    """cache.write, shard by shard where a dense cache's slots are split over seq (seq_attention.split_write)."""
+    split = None if isinstance(layer_cache, kv.RaggedLayerCache) else seq_split(layer_cache.k.shape)
+    if split is None:
+        return kv.write(layer_cache, k_new, v_new, num_new)
+    return split_write(layer_cache, k_new, v_new, num_new, split)
 
 
 def _decode_kernel_applies(cfg: ModelConfig, q, window) -> bool:
