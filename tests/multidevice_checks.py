@@ -135,27 +135,33 @@ def check_mesh(shape, reference, params):
     total = sum(x.nbytes for x in jax.tree.leaves(params))
     tensor = shape[2]
     assert len(held) == mesh.size and max(held.values()) <= 1.03 * total / tensor, (max(held.values()), total)
-    # A decode step and the KVzip reread move no K or V between devices (over seq: attention per shard, merged
-    # through the LSE).
+    # A decode step moves no K or V between devices (over seq: attention per shard, merged through the LSE).
     with jax.set_mesh(mesh):
         for name in ("masked", "packed"):
             step = gen.forward_step.lower(got["params"], got["tokens"][-1][:, None], jnp.ones((B,), jnp.int32),
                                           got[name], CFG)
             gathers = re.findall(r"= (\S+) (?:all-gather|all-to-all)\(", step.compile().as_text())
             assert not gathers, f"a decode step over the {name} cache gathers {gathers}"
-        large = sharding.shard_cache(kv.init_cache(CFG, B, 1024), mesh)  # several key blocks per seq shard
-        reread_text = jax.jit(kvzip.score).lower(got["params"], CFG, large, reread(inputs()[1])).compile().as_text()
-        gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", reread_text)
-        assert not gathers, f"the KVzip reread gathers {gathers}"
-        chunk = gen.forward_step.lower(got["params"], jnp.zeros((B, CHUNK), jnp.int32), jnp.full((B,), CHUNK), large,
-                                       CFG)
-        gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", chunk.compile().as_text())
-        assert not gathers, f"a prefill chunk gathers {gathers}"
-    if shape[1] > 1:
+    if shape[1] > 1:  # a cache split over seq: no prefill chunk or reread gathers it either
+        check_no_gather_over_seq(mesh, got["params"])
         check_merge(mesh)
         check_write(mesh)
     check_ties(mesh)
     print("ok", ",".join(map(str, shape)), flush=True)
+
+
+def check_no_gather_over_seq(mesh, params):
+    """A prefill chunk and the KVzip reread over a 1,024-slot cache (several key blocks per seq shard) compile with
+    no float all-gather or all-to-all."""
+    with jax.set_mesh(mesh):
+        large = sharding.shard_cache(kv.init_cache(CFG, B, 1024), mesh)  # several key blocks per seq shard
+        reread_text = jax.jit(kvzip.score).lower(params, CFG, large, reread(inputs()[1])).compile().as_text()
+        gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", reread_text)
+        assert not gathers, f"the KVzip reread gathers {gathers}"
+        chunk = gen.forward_step.lower(params, jnp.zeros((B, CHUNK), jnp.int32), jnp.full((B,), CHUNK), large,
+                                       CFG)
+        gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", chunk.compile().as_text())
+        assert not gathers, f"a prefill chunk gathers {gathers}"
 
 
 def check_merge(mesh):
