@@ -183,7 +183,7 @@ def check_merge(mesh):
                                  key_bias=bias)
         with jax.set_mesh(mesh):
             placed = jax.device_put(layer, sharding.cache_shardings(kv.KVCache((layer,), filled[:, 0]), mesh).layers[0])
-            split = seq_split(k.shape)
+            split = seq_split(layer)
             assert split is not None
             got = jax.jit(merged_attention, static_argnums=(3, 4, 5))(q, placed, query_slots, window, 0.25, split,
                                                                       in_subset)
@@ -206,7 +206,7 @@ def check_write(mesh):
     want = kv.write(layer, k_new, v_new, num_new)
     with jax.set_mesh(mesh):
         placed = jax.device_put(layer, sharding.cache_shardings(kv.KVCache((layer,), filled[:, 0]), mesh).layers[0])
-        split = seq_split(k.shape)
+        split = seq_split(layer)
         got = jax.jit(split_write, static_argnums=(4,))(placed, k_new, v_new, num_new, split)
     for name in ("k", "v", "lengths"):
         assert (np.asarray(getattr(got, name)) == np.asarray(getattr(want, name))).all(), f"split_write: {name}"

@@ -1,7 +1,7 @@
 """Attention over a cache whose slots are split over the mesh's seq axis: each seq shard writes and attends over its
 own slots, and the shards' results merge through their log-sum-exp. No key or value leaves its device.
 
-    split = seq_split(layer_cache.k.shape)      # None: no mesh, seq = 1, or seq does not divide the slots
+    split = seq_split(layer_cache)      # None: no mesh, seq = 1, seq does not divide the slots, or ragged
     layer_cache = split_write(layer_cache, k_new, v_new, num_new, split)
     out, lse, subset_lse = merged_attention(q, layer_cache, query_slots, window, scale, split)
 
@@ -44,13 +44,13 @@ class SeqSplit(typing.NamedTuple):
     spec: PartitionSpec
 
 
-def seq_split(k_shape: tuple[int, ...]) -> SeqSplit | None:
-    """How a cache's k [B, K, C, H] is laid out by the partition rules on the current mesh, when its slots are split
-    over seq (seq > 1 divides C); else None."""
+def seq_split(layer_cache: kv.LayerCache | kv.RaggedLayerCache) -> SeqSplit | None:
+    """How a dense layer's k [B, K, C, H] is laid out by the partition rules on the current mesh, when its slots are
+    split over seq (seq > 1 divides C); else None (and always for ragged layers, split by row only)."""
     mesh = current_mesh()
-    if mesh is None:
+    if mesh is None or isinstance(layer_cache, kv.RaggedLayerCache):
         return None
-    spec = spec_for(mesh, (DATA, TENSOR, SEQ, None), k_shape)
+    spec = spec_for(mesh, (DATA, TENSOR, SEQ, None), layer_cache.k.shape)
     return SeqSplit(mesh, spec) if spec[2] == SEQ else None
 
 

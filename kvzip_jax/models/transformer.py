@@ -87,7 +87,7 @@ class Block(nn.Module):
     def _attend_written(self, q, layer_cache, query_slots, window):
         """Attention over a cache that already holds this step's keys -> out [B, T, K, G, H]."""
         scale, filled = self.cfg.query_scale, layer_cache.lengths
-        split = None if isinstance(layer_cache, kv.RaggedLayerCache) else seq_split(layer_cache.k.shape)
+        split = seq_split(layer_cache)
         if split is not None:  # slots over the mesh's seq axis: per shard, merged through the log-sum-exp
             return merged_attention(q, layer_cache, query_slots, window, scale, split)[0]
         if _decode_kernel_applies(self.cfg, q, window):
@@ -108,7 +108,7 @@ class Block(nn.Module):
         if isinstance(layer_cache, kv.RaggedLayerCache):
             raise ValueError("observers read dense caches; a ragged cache cannot be observed")
         subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
-        split = seq_split(layer_cache.k.shape)
+        split = seq_split(layer_cache)
         if split is None:
             out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
                                                                query_slots, window, cfg.query_scale, layer_cache.keep,
@@ -134,7 +134,7 @@ class Block(nn.Module):
 
 def _write(layer_cache: kv.LayerCache, k_new, v_new, num_new) -> kv.LayerCache:
     """cache.write, shard by shard where a dense cache's slots are split over seq (seq_attention.split_write)."""
-    split = None if isinstance(layer_cache, kv.RaggedLayerCache) else seq_split(layer_cache.k.shape)
+    split = seq_split(layer_cache)
     if split is None:
         return kv.write(layer_cache, k_new, v_new, num_new)
     return split_write(layer_cache, k_new, v_new, num_new, split)
