@@ -119,7 +119,7 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
     """
     if isinstance(layer, RaggedLayerCache):
         return _write_ragged(layer, k_new, v_new, num_new)
-    T, C = k_new.shape[2], layer.capacity
+    T = k_new.shape[2]
 
     def write_head(cache_kh, new_kh, start, count):  # [C, H], [T, H], [], []
         C = cache_kh.shape[0]
@@ -136,13 +136,16 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
         return jax.lax.dynamic_update_slice_in_dim(cache_kh, jnp.where(real, moved, old), base, axis=0)
 
     write_all = jax.vmap(jax.vmap(write_head, in_axes=(0, 0, 0, None)))
-    return LayerCache(
-        k=write_all(layer.k, k_new, layer.lengths, num_new),
-        v=write_all(layer.v, v_new, layer.lengths, num_new),
-        lengths=jnp.minimum(layer.lengths + num_new[:, None].astype(jnp.int32), C),
-        keep=layer.keep,  # slots past the context are kept (True) in a masked cache
-        bias=layer.bias,  # 0 past the compacted context: new tokens get no bias
-    )
+    return written(layer, write_all(layer.k, k_new, layer.lengths, num_new),
+                   write_all(layer.v, v_new, layer.lengths, num_new), num_new)
+
+
+def written(layer: LayerCache, k: jax.Array, v: jax.Array, num_new: jax.Array) -> LayerCache:
+    """A dense layer after a write of num_new [B] pairs per head whose K, V [B, K, C, H] are already stored: the
+    lengths grow by what fits (at most the capacity); the keep mask and the bias are unchanged (slots past the
+    context are kept, and new tokens get no bias)."""
+    lengths = jnp.minimum(layer.lengths + num_new[:, None].astype(jnp.int32), layer.capacity)
+    return LayerCache(k=k, v=v, lengths=lengths, keep=layer.keep, bias=layer.bias)
 
 
 def _write_ragged(layer: RaggedLayerCache, k_new, v_new, num_new) -> RaggedLayerCache:

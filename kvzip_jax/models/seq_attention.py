@@ -111,5 +111,4 @@ def split_write(layer: kv.LayerCache, k_new, v_new, num_new, split: SeqSplit) ->
                                                            new_spec, new_spec, PartitionSpec(data)),
                          out_specs=(split.spec, split.spec), check_vma=False)(
         layer.k, layer.v, layer.lengths, k_new, v_new, num_new.astype(jnp.int32))
-    lengths = jnp.minimum(layer.lengths + num_new[:, None].astype(jnp.int32), layer.capacity)  # as cache.write
-    return kv.LayerCache(k=k, v=v, lengths=lengths, keep=layer.keep, bias=layer.bias)
+    return kv.written(layer, k, v, num_new)
