@@ -1,6 +1,6 @@
 """Long context on this CPU: prefill and KVzip scoring of 8K-32K tokens in bounded memory and compile time.
 
-    python bench/long_context.py [--tokens 8192 16384 32768] [--ratio 0.3] [--chunk 2048]
+    python bench/long_context.py [--tokens 8192 16384 32768] [--ratio 0.3] [--chunk 2048] [--allocator glibc]
 
 Qwen2.5-Coder-0.5B-Instruct (float32, its maximum context is 32,768), one multi_needle context per length (four
 planted "special magic number" facts in generated prose, the eval task), each length in a fresh process so its peak
@@ -14,20 +14,28 @@ memory is its own. Per length:
     beside them the cache's bytes, XLA's temp allocation for the compiled program (memory_analysis) and the memory
     planner's estimate of scores + one chunk's workspace (sharding.memory.plan);
   - the four facts asked of the full cache and of KVzip at --ratio (right answers out of 4).
-Writes bench/results/long-context.txt.
+--allocator returning runs the children with glibc told to return freed memory (see RETURNING; on the defaults,
+memory the matmul libraries freed in per-thread arenas during prefill or earlier calls can count in the peak).
+Writes bench/results/long-context[-chunk<N>][-returning].txt.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
+
 ROOT = Path(__file__).resolve().parent.parent
+# glibc told to give freed memory back to the system (one arena; large blocks mapped and unmapped; heap trimmed), so
+# a call's peak is what the call needs, not what earlier work left in per-thread arenas: --allocator returning
+RETURNING = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
 def resident() -> dict:
@@ -125,7 +133,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--ratio", type=float, default=0.3)
-    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
+    parser.add_argument("--allocator", choices=("glibc", "returning"), default="glibc",
+                        help="the children's malloc: glibc's defaults, or told to return freed memory (RETURNING)")
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one length, JSON out
     args = parser.parse_args()
     if args.one:
@@ -134,13 +144,15 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         child = subprocess.run([sys.executable, __file__, "--one", str(tokens), "--ratio", str(args.ratio),
-                                "--chunk", str(args.chunk)], capture_output=True, text=True)
+                                "--chunk", str(args.chunk)], capture_output=True, text=True,
+                               env={**os.environ, **(RETURNING if args.allocator == "returning" else {})})
         if child.returncode:
             sys.exit(f"{tokens} tokens failed:\n{child.stderr[-3000:]}")
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     MiB = 1 << 20
-    lines = [f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, reread chunk {args.chunk}, KVzip at {args.ratio}",
+    lines = [f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, reread chunk {args.chunk}, KVzip at {args.ratio}, "
+             f"allocator {args.allocator}",
              "| tokens | prefill s | prefill compile s | scoring s | scoring compile s | cache MiB | scoring extra MiB "
              "(% of cache) | of it anonymous / file-backed MiB | XLA temp MiB | planned MiB | "
              "facts right full / KVzip |",
@@ -156,7 +168,9 @@ def main() -> None:
             f"{r['right_full']} / {r['right_kvzip']} of {r['questions']} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = ROOT / "bench" / "results" / "long-context.txt"
+    name = "long-context" + (f"-chunk{args.chunk}" if args.chunk != DEFAULT_CHUNK else "")
+    name += "-returning.txt" if args.allocator == "returning" else ".txt"
+    out = ROOT / "bench" / "results" / name
     out.write_text(text + "\n" + "\n".join(json.dumps(r) for r in rows) + "\n")
 
 
