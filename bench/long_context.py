@@ -15,7 +15,8 @@ memory is its own. Per length:
     planner's estimate of scores + one chunk's workspace (sharding.memory.plan);
   - the four facts asked of the full cache and of KVzip at --ratio (right answers out of 4).
 --allocator returning runs the children with glibc told to return freed memory (see RETURNING; on the defaults,
-memory the matmul libraries freed in per-thread arenas during prefill or earlier calls can count in the peak).
+memory the CPU runtime freed into per-thread arenas during the prefill can serve scoring, or not: see
+bench/scoring_memory.py).
 Writes bench/results/long-context[-chunk<N>][-returning].txt.
 """
 

@@ -1,5 +1,5 @@
-"""What KVzip scoring's extra resident memory is made of, on this CPU: XLA's buffers, the matmul libraries' scratch,
-and what glibc's allocator keeps.
+"""What KVzip scoring's extra resident memory is made of, on this CPU: XLA's buffer for the program, what the CPU
+runtime allocates in each call outside it, and what glibc's allocator keeps.
 
     python bench/scoring_memory.py [--tokens 8192] [--chunks 2048 1024]
 
