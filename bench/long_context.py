@@ -51,6 +51,27 @@ def resident() -> dict:
     return {"total": fields["VmRSS"], "anon": fields["RssAnon"], "file": fields["RssFile"] + fields["RssShmem"]}
 
 
+def peak_resident(run):
+    """(run(), its seconds, resident() just before it, the peak of each resident() field during it, sampled every
+    2 ms)."""
+    before = resident()
+    peak, done = dict(before), threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak.update({k: max(v, peak[k]) for k, v in resident().items()})
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    start = time.perf_counter()
+    result = run()
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    return result, seconds, before, peak
+
+
 def measure(tokens: int, ratio: float, chunk: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -91,21 +112,8 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     out["score_compile_s"] = time.perf_counter() - start
     out["score_temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes  # XLA's own working set of the program
     jax.block_until_ready(cache)
-    before = resident()
-    peak, done = dict(before), threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak.update({k: max(v, peak[k]) for k, v in resident().items()})
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    start = time.perf_counter()
-    scores = jax.block_until_ready(compiled(params, cfg, cache, reread))
-    out["score_s"] = time.perf_counter() - start
-    done.set()
-    sampler.join()
+    scores, out["score_s"], before, peak = peak_resident(
+        lambda: jax.block_until_ready(compiled(params, cfg, cache, reread)))
     out["score_extra_bytes"] = peak["total"] - before["total"]  # the scores [L, 1, K, n] float32 included
     out["score_extra_anon_bytes"] = peak["anon"] - before["anon"]  # allocated memory (heap, XLA's buffers)
     out["score_extra_file_bytes"] = peak["file"] - before["file"]  # mapped files paged in (library code)

@@ -21,10 +21,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 
-from long_context import RETURNING, ROOT, resident
+from long_context import RETURNING, ROOT, peak_resident, resident
 
 MiB = 1 << 20
 
@@ -36,7 +34,7 @@ def measure(tokens: int, chunk: int) -> dict:
 
     from kvzip_jax import cache as kv
     from kvzip_jax import kvzip
-    from kvzip_jax.kvzip.scoring import RereadInputs
+    from kvzip_jax.kvzip.scoring import reread_inputs
     from kvzip_jax.weights import registry
 
     model = registry.load(registry.QWEN, dtype="float32")
@@ -50,35 +48,16 @@ def measure(tokens: int, chunk: int) -> dict:
                                          lengths=jnp.full(layer.lengths.shape, tokens, jnp.int32))
                      for layer in empty.layers),
         next_position=jnp.full((1,), tokens, jnp.int32))
-    chunks, width = -(-context // chunk), chunk + 64  # the reread prompt's tokens beside each chunk
-    starts = np.arange(chunks, dtype=np.int32)[:, None] * chunk
-    reread = RereadInputs(
-        tokens=jnp.asarray(np.random.default_rng(0).integers(0, 1000, (chunks, 1, width)), jnp.int32),
-        num_valid=jnp.full((chunks, 1), width - 8, jnp.int32), chunk_start=jnp.asarray(prefix + starts),
-        chunk_len=jnp.asarray(np.clip(context - starts, 0, chunk)), prefix_len=jnp.full((1,), prefix, jnp.int32),
-        context_len=jnp.full((1,), context, jnp.int32), chunk_size=chunk)
+    context_ids = np.random.default_rng(0).integers(0, 1000, context)
+    reread = reread_inputs(model.tokenizer, [prefix], [context_ids], chunk)  # the real reread prompt around each chunk
     jax.block_until_ready(cache)
     compiled = jax.jit(kvzip.score).lower(params, cfg, cache, reread).compile()
     out = dict(tokens=tokens, chunk=chunk, cache_bytes=kv.nbytes(cache),
                temp_bytes=compiled.memory_analysis().temp_size_in_bytes, calls=[])
     for _ in range(2):
-        before = resident()["total"]
-        peak, done = [before], threading.Event()
-
-        def sample():
-            while not done.is_set():
-                peak[0] = max(peak[0], resident()["total"])
-                time.sleep(0.002)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(params, cfg, cache, reread))
-        seconds = time.perf_counter() - start
-        done.set()
-        sampler.join()
-        left = resident()["total"] - before
-        out["calls"].append(dict(seconds=seconds, extra_bytes=peak[0] - before, left_bytes=left))
+        _, seconds, before, peak = peak_resident(lambda: jax.block_until_ready(compiled(params, cfg, cache, reread)))
+        out["calls"].append(dict(seconds=seconds, extra_bytes=peak["total"] - before["total"],
+                                 left_bytes=resident()["total"] - before["total"]))
     return out
 
 
