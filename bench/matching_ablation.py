@@ -6,7 +6,8 @@ variants of the fit registered as extra methods beside KVzip and am-hak.
 
 Variants (MatchingConfig choices): am-hak-r1 (values shrunk towards the kept ones, value_ridge 1), am-hak-r1e4
 (value_ridge 1e4: the kept values themselves, only beta fitted), kvzip-am-r1 (KVzip's selection, value_ridge 1),
-am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the values fitted). kvzip-am (KVzip's selection with
+am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the values fitted), am-hak-cap20 and kvzip-am-cap20 (a
+head may keep up to 20x the uniform count, instead of 4x: at 0.05 no cap, as KVzip's own global top-k). kvzip-am (KVzip's selection with
 the full fit) is one of the product's methods. The report is the sweep's (summary.md, scores.png in --out).
 """
 
@@ -24,6 +25,8 @@ VARIANTS = {
     "kvzip-am-r1": dict(selector="kvzip", value_ridge=1.0),
     "am-hak-nb": dict(selector="hak", fit_bias=False),
     "kvzip-am-nb": dict(selector="kvzip", fit_bias=False),
+    "am-hak-cap20": dict(selector="hak", head_cap=20.0),
+    "kvzip-am-cap20": dict(selector="kvzip", head_cap=20.0),
 }
 
 
