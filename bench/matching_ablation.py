@@ -4,11 +4,18 @@ variants of the fit registered as extra methods beside KVzip and am-hak.
     python bench/matching_ablation.py [--tasks multi_needle] [--ratios 1,0.1,0.05] [--contexts 6]
                                       [--context-tokens 640] [--out runs/am-ablation]
 
-Variants (MatchingConfig choices): am-hak-r1 (values shrunk towards the kept ones, value_ridge 1), am-hak-r1e4
-(value_ridge 1e4: the kept values themselves, only beta fitted), kvzip-am-r1 (KVzip's selection, value_ridge 1),
-am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the values fitted), am-hak-cap20 and kvzip-am-cap20 (a
-head may keep up to 20x the uniform count, instead of 4x: at 0.05 no cap, as KVzip's own global top-k). kvzip-am (KVzip's selection with
-the full fit) is one of the product's methods. The report is the sweep's (summary.md, scores.png in --out).
+Variants (MatchingConfig choices). Of the fit: am-hak-r1 (values shrunk towards the kept ones, value_ridge 1),
+am-hak-r1e4 (value_ridge 1e4: the kept values themselves, only beta fitted), kvzip-am-r1 (KVzip's selection,
+value_ridge 1), am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the values fitted). Of the budgets: am-hak-kb
+(HAK's keys, budgets ranked by KVzip's scores instead of the reference queries' attention), am-hak-kb-cap0.4 and
+am-hak-kb-cap0.2 (the same, a head keeping at most 0.4 or 0.2 of its keys instead of 0.75), kvzip-am-cap1 (KVzip's
+selection and budgets, no head cap: KVzip's own top-k with the AM fit). The product's methods am-hak and kvzip-am
+run beside them. The report is the sweep's (summary.md, scores.png in --out).
+
+Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
+budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
+against none: its am-hak-cap20 / kvzip-am-cap20), am-budgets-640 (ratios 0.1 and 0.05: its am-hak is am-hak-kb here,
+its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap variants).
 """
 
 from __future__ import annotations
@@ -22,11 +29,13 @@ from kvzip_jax.eval import sweep
 VARIANTS = {
     "am-hak-r1": dict(selector="hak", value_ridge=1.0),
     "am-hak-r1e4": dict(selector="hak", value_ridge=1e4),
-    "kvzip-am-r1": dict(selector="kvzip", value_ridge=1.0),
+    "kvzip-am-r1": dict(matching.METHODS["kvzip-am"], value_ridge=1.0),
     "am-hak-nb": dict(selector="hak", fit_bias=False),
-    "kvzip-am-nb": dict(selector="kvzip", fit_bias=False),
-    "am-hak-cap20": dict(selector="hak", head_cap=20.0),
-    "kvzip-am-cap20": dict(selector="kvzip", head_cap=20.0),
+    "kvzip-am-nb": dict(matching.METHODS["kvzip-am"], fit_bias=False),
+    "am-hak-kb": dict(selector="hak", budget_scores="kvzip"),
+    "am-hak-kb-cap0.4": dict(selector="hak", budget_scores="kvzip", head_cap=0.4),
+    "am-hak-kb-cap0.2": dict(selector="hak", budget_scores="kvzip", head_cap=0.2),
+    "kvzip-am-cap1": dict(matching.METHODS["kvzip-am"], head_cap=1.0),
 }
 
 

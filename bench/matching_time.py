@@ -175,7 +175,7 @@ def main() -> None:
     record("  am-hak fit", compile_s, times, "compact_with from those queries", kept=kept_fraction(counts, cfg, n_ctx))
     del queries
 
-    # 5. am-hak variants: uniform budgets (static fit size ratio x T instead of head_cap x that), and on-policy
+    # 5. am-hak variants: uniform budgets (static fit size ratio x T instead of head_cap x T), and on-policy
     # (layer by layer, called eagerly: its per-layer steps are jitted, so the run after the first is warm)
     uniform = matching.method_config("am-hak", args.ratio, budget="uniform")
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, uniform),

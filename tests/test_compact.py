@@ -159,3 +159,34 @@ def test_one_head_of_compact_equals_the_numpy_oracle(setup):
     np.testing.assert_array_equal(kept, selected)
     np.testing.assert_allclose(np.asarray(compacted.bias[row, head, prefix + kept]), beta, atol=2e-3, rtol=2e-3)
     np.testing.assert_allclose(np.asarray(compacted.v[row, head, prefix + kept]), c_v, atol=2e-3, rtol=2e-3)
+
+
+def test_each_head_is_its_own_fit_whatever_the_tiers(setup):
+    """Global budgets fit heads in tiers of static sizes (budgets.fit_tiers), largest counts first, padded to the
+    largest: every head of the compacted cache holds what fit_head gives for that head alone, at exactly its count
+    (its HAK keys, no padding)."""
+    cfg, params, cache, reread = setup
+    config = matching.MatchingConfig(ratio=0.1, selector="hak", budget="global")
+    n = reread.chunk_size * reread.tokens.shape[0]
+    ratio = matching.effective_ratio(config, cache)
+    shape = (cfg.num_layers, 2, cfg.num_kv_heads)
+    tiers = matching.budgets.fit_tiers(matching.budgets.static_count(ratio, n, "global", config.head_cap),
+                                       matching.budgets.static_total(ratio, n, shape, "global"), int(np.prod(shape)))
+    assert len(tiers) > 2  # the fit runs in several tiers
+    queries = matching.reference_queries(params, cfg, cache, reread, with_scores=True)  # global budgets rank these
+    out, counts = jax.jit(matching.compact_with)(queries, cfg, cache, reread, config)
+    lower, upper, iters = config.box()
+    for l, b, k in np.ndindex(*shape):
+        start, length, count = int(reread.prefix_len[b]), int(reread.context_len[b]), int(counts[l, b, k])
+        q, rows = queries.q[l][b, k], queries.valid[b]
+        keys, values = (x[b, k, start:start + length] for x in (cache.layers[l].k, cache.layers[l].v))
+        scores = matching.attention_key_scores(q, keys, cfg.query_scale, query_valid=rows)
+        selected = jnp.sort(jax.lax.top_k(scores, count)[1])
+        _, beta, c_v = matching.fit_head(q, keys, values, selected, cfg.query_scale, query_valid=rows, lower=lower,
+                                         upper=upper, iters=iters)
+        slots = start + np.asarray(selected)
+        layer = out.layers[l]
+        kept = np.flatnonzero(np.asarray(layer.keep[b, k, start:start + length])) + start
+        np.testing.assert_array_equal(kept, slots)
+        np.testing.assert_allclose(np.asarray(layer.bias[b, k, slots]), np.asarray(beta), atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(layer.v[b, k, slots]), np.asarray(c_v), atol=1e-4, rtol=1e-4)

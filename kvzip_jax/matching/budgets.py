@@ -1,13 +1,19 @@
 """How many keys each (layer, KV head) keeps in a compacted cache (reference/attention_matching.md §5).
 
   uniform   every compacted head keeps floor(ratio x its context length) keys
-  global    one top-k over every compacted head's keys of a row by a per-key score (KVzip's, or the aggregated
-            attention of the reference queries): heads that matter more keep more, as KVzip's pair level does. The
-            paper finds non-uniform budgets the most important part of the method; its budgets come from an offline
-            per-model search we do not have, so a per-key score stands in. A head keeps at most `head_cap` x the
-            uniform count (at least one key), which fixes the static size of the fit (the paper caps heads at 0.75
-            of their keys).
+  global    one top-k over every compacted head's keys of a row by a per-key score (the aggregated attention of
+            the reference queries, HAK's own score, by default; or KVzip's): heads that matter more keep more, as
+            KVzip's pair level does. The paper finds non-uniform budgets the most important part of the method; its
+            budgets come from an offline per-model search we do not have, so a per-key score stands in. As in the
+            paper, a head keeps at most `head_cap` (0.75) of its context keys, and never less than one above its
+            uniform count (so the row's budget always fits); the cap of the longest row fixes the static size of
+            the fit. Which score and cap decide the KL at 20x (README, Attention Matching against KVzip).
 Counts are exact integers (kvzip.budget.kept_count); a ratio applies to the context pairs of the compacted layers.
+
+Fitting every head at the static size of the largest wastes most of the work when budgets are uneven (at 0.05 the
+cap is 15x the uniform count). `fit_tiers` groups heads by count into a few static sizes instead: heads whose counts
+sum to at most `total`, sorted from the largest, have an r-th count of at most total // (r + 1), so only a few heads
+need the full size, more need half of it, and so on.
 
 Einsum legend: L compacted layers, B batch, K KV heads, n context columns.
 """
@@ -22,26 +28,61 @@ import jax.numpy as jnp
 from kvzip_jax.kvzip.budget import RATIO_UNITS, kept_count, top_counts
 
 BUDGETS = ("uniform", "global")
+TIER_STEP = 2 ** 0.5  # each fit size is the one above over sqrt(2): at ratio 0.1 about the work of a 4x cap, padded
+
+
+def _host_count(ratio: float, n: int) -> int:
+    return round(ratio * RATIO_UNITS) * n // RATIO_UNITS  # kept_count's arithmetic, on the host
 
 
 def static_count(ratio: float, n: int, budget: str, head_cap: float) -> int:
     """The most keys one head can keep (the static size of its fit) for n context columns."""
-    uniform = round(ratio * RATIO_UNITS) * n // RATIO_UNITS  # kept_count's arithmetic, on the host
     if budget == "uniform":
-        return uniform
-    return min(n, max(math.ceil(head_cap * ratio * n), 1))
+        return _host_count(ratio, n)
+    return min(n, max(_host_count(head_cap, n), _host_count(ratio, n) + 1))
+
+
+def static_total(ratio: float, n: int, shape: tuple[int, int, int], budget: str) -> int:
+    """A bound on the sum of the counts [L, B, K] = shape of rows of at most n context columns."""
+    L, B, K = shape
+    return L * B * K * _host_count(ratio, n) if budget == "uniform" else B * _host_count(ratio, L * K * n)
+
+
+def fit_tiers(size: int, total: int, heads: int) -> tuple[tuple[int, int], ...]:
+    """Static (heads, size) groups covering `heads` heads sorted by count from the largest, for counts of at most
+    `size` summing to at most `total`: the r-th head is fitted at the smallest size of the ladder size,
+    size / sqrt(2), ... (rounded up) that holds min(size, total // (r + 1)); heads bound to 0 get size 0."""
+    ladder = [size]
+    while ladder[-1] > 1 and math.ceil(ladder[-1] / TIER_STEP) < ladder[-1]:
+        ladder.append(math.ceil(ladder[-1] / TIER_STEP))
+    tiers: list[list[int]] = []
+    for r in range(heads):
+        bound = min(size, total // (r + 1))
+        tier = min(s for s in ladder if s >= bound) if bound > 0 else 0
+        if tiers and tiers[-1][1] == tier:
+            tiers[-1][0] += 1
+        else:
+            tiers.append([1, tier])
+    return tuple((n, s) for n, s in tiers)
+
+
+def head_caps(ratio: float, head_cap: float, context_len: jax.Array) -> jax.Array:
+    """The most keys a head of each row may keep under global budgets, [B] int32 for context_len [B]."""
+    floor = kept_count(ratio, context_len) + 1  # >= the ceiling of the uniform share: the row's budget fits
+    return jnp.minimum(context_len, jnp.maximum(kept_count(head_cap, context_len), floor)).astype(jnp.int32)
 
 
 def head_counts(ratio: float, context_len: jax.Array, shape: tuple[int, int, int, int], budget: str,
-                scores: jax.Array | None = None, cap: int | None = None) -> jax.Array:
+                scores: jax.Array | None = None, head_cap: float = 0.75) -> jax.Array:
     """counts [L, B, K] int32 for context_len [B] and (L, B, K, n) = shape. global: scores [L, B, K, n] (-inf past a
-    row's context) and cap, the most keys of one head."""
+    row's context), a head keeping at most head_caps(ratio, head_cap, context_len) of them."""
     L, B, K, n = shape
     if budget == "uniform":
         return jnp.broadcast_to(kept_count(ratio, context_len)[None, :, None], (L, B, K)).astype(jnp.int32)
     if budget != "global":
         raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
-    capped = top_counts(scores, jnp.full((L, B, K), cap, jnp.int32))  # [L, B, K, n] each head's `cap` best
+    caps = jnp.broadcast_to(head_caps(ratio, head_cap, context_len)[None, :, None], (L, B, K))
+    capped = top_counts(scores, caps)  # [L, B, K, n] each head's best, up to its cap
     in_context = jnp.arange(n) < context_len[:, None]  # [B, n]
     candidates = jnp.where(capped & in_context[None, :, None, :], scores, -jnp.inf)
     flat = candidates.transpose(1, 0, 2, 3).reshape(B, L * K * n)

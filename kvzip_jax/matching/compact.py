@@ -39,7 +39,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import check_ratio
-from kvzip_jax.matching.budgets import BUDGETS, head_counts, static_count
+from kvzip_jax.matching.budgets import BUDGETS, fit_tiers, head_counts, static_count, static_total
 from kvzip_jax.matching.fit import RIDGE, fit_head
 from kvzip_jax.matching.queries import (
     SOURCES,
@@ -56,9 +56,11 @@ from kvzip_jax.models.transformer import apply_block, embed_tokens
 
 SELECTORS = ("hak", "omp", "kvzip")
 BUDGET_SCORES = ("kvzip", "attention")
-# method name -> its MatchingConfig choices; "-op": on-policy (layer-sequential) compaction
-METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": dict(selector="kvzip"),
-           "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(selector="kvzip", on_policy=True)}
+# method name -> its MatchingConfig choices; "-op": on-policy (layer-sequential) compaction. kvzip-am is KVzip's
+# selection and budgets with the AM fit; the others take budgets from the reference queries' attention.
+KVZIP_AM = dict(selector="kvzip", budget_scores="kvzip")
+METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": KVZIP_AM,
+           "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(KVZIP_AM, on_policy=True)}
 BIAS_BYTES = 4  # a float32 beta per kept pair
 
 
@@ -69,7 +71,8 @@ class MatchingConfig:
 
     ratio: fraction of context pairs kept, in (0, 1]. selector: hak | omp | kvzip. aggregate: HAK's aggregation over
     queries (rms | max | mean). budget: uniform | global; budget_scores: what global budgets rank (KVzip's scores,
-    or the reference queries' aggregated attention); head_cap: a head keeps at most head_cap x the uniform count.
+    or the reference queries' aggregated attention); head_cap: under global budgets a head keeps at most this fraction
+    of its context keys (the paper's 0.75; budgets.head_caps).
     sources: reference query sources (queries.SOURCES); query_cap: most reference rows per KV head and layer.
     omp_step, omp_refit: OMP's keys per step and steps per refit (1, 1: exact; 4, 2: AM-OMP-fast).
     on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
@@ -87,8 +90,8 @@ class MatchingConfig:
     selector: str = "hak"
     aggregate: str = "rms"
     budget: str = "global"
-    budget_scores: str = "kvzip"
-    head_cap: float = 4.0
+    budget_scores: str = "attention"
+    head_cap: float = 0.75
     sources: tuple[str, ...] = ("repeat",)
     query_cap: int = 8192
     omp_step: int = 1
@@ -109,8 +112,10 @@ class MatchingConfig:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if not self.sources or set(self.sources) - set(SOURCES):
             raise ValueError(f"sources must be among {SOURCES}, got {self.sources}")
-        if self.head_cap < 1 or self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1 or self.fit_batch < 1:
-            raise ValueError("head_cap, query_cap, omp_step, omp_refit and fit_batch must be >= 1")
+        if not 0 < self.head_cap <= 1:
+            raise ValueError(f"head_cap is a fraction of a head's keys, in (0, 1], got {self.head_cap}")
+        if self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1 or self.fit_batch < 1:
+            raise ValueError("query_cap, omp_step, omp_refit and fit_batch must be >= 1")
         if self.refine_steps < 0:
             raise ValueError(f"refine_steps must be >= 0, got {self.refine_steps}")
         if not self.value_ridge > 0:
@@ -165,10 +170,10 @@ def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadI
     if not config.on_policy:
         return compact_with(queries, cfg, cache, reread, config)
     _check_compactable(cache, queries, config)
-    size, counts = _budget(queries, cfg, cache, reread, config)
+    size, total, counts, _ = _budget(queries, cfg, cache, reread, config, selecting=False)
     if size is None:
         return cache, counts
-    return _compact_on_policy(params, cfg, cache, reread, config, probes, counts, size)
+    return _compact_on_policy(params, cfg, cache, reread, config, probes, counts, size, total)
 
 
 def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
@@ -178,18 +183,18 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     if config.on_policy:
         raise ValueError("on-policy compaction runs the model layer by layer: call compact, not compact_with")
     _check_compactable(cache, queries, config)
-    size, counts = _budget(queries, cfg, cache, reread, config)
+    size, total, counts, attention = _budget(queries, cfg, cache, reread, config, selecting=True)
     if size is None:
         return cache, counts
     layers = scoring.evictable_layers(cfg)
     q = jnp.stack([queries.q[i] for i in layers])  # [L, B, K, R, H]
     k, v, bias = _context([cache.layers[i] for i in layers], reread)  # [L, B, K, n, H], bias [L, B, K, n]
-    rank = None
+    rank = None  # OMP selects by itself
     if config.selector == "kvzip":
         rank = queries.kvzip_scores[jnp.asarray(layers)]
     elif config.selector == "hak":
-        rank = _attention_scores(q, queries.valid, k, bias, reread, cfg, config)
-    fitted = _fit(q, queries.valid, k, v, bias, reread, rank, counts[jnp.asarray(layers)], size, cfg, config)
+        rank = attention
+    fitted = _fit(q, queries.valid, k, v, bias, reread, rank, counts[jnp.asarray(layers)], size, total, cfg, config)
     return _written(cache, reread, layers, fitted), counts
 
 
@@ -231,64 +236,85 @@ def _attention_scores(q, valid, k, bias, reread: scoring.RereadInputs, cfg: Mode
 
 
 def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
-            config: MatchingConfig):
-    """(size, counts [L_all, B, K]): the static keys per head (None: nothing to compact) and every layer's count
-    (uncompacted layers count their whole context)."""
+            config: MatchingConfig, selecting: bool):
+    """(size, total, counts [L_all, B, K], attention): the most keys of one head (static; None: nothing to compact),
+    a static bound on the compacted heads' counts summed, every layer's count (uncompacted layers count their whole
+    context), and HAK's per-key scores [L, B, K, n] of the compacted layers when the budgets rank them or, selecting,
+    the selector does (else None): computed once for both."""
     layers = scoring.evictable_layers(cfg)
     n = reread.chunk_size * reread.tokens.shape[0]
     full = jnp.broadcast_to(reread.context_len[None, :, None],
                             (cfg.num_layers,) + cache.layers[0].lengths.shape).astype(jnp.int32)
     if config.ratio >= 1.0 or not layers:
-        return None, full
+        return None, None, full, None
     ratio = effective_ratio(config, cache)
     size = static_count(ratio, n, config.budget, config.head_cap)
     shape = (len(layers),) + cache.layers[0].lengths.shape + (n,)
-    scores = None
-    if config.budget == "global" and config.budget_scores == "kvzip":
-        scores = queries.kvzip_scores[jnp.asarray(layers)][..., :n]
-    elif config.budget == "global":
+    global_by_attention = config.budget == "global" and config.budget_scores == "attention"
+    attention = None
+    if global_by_attention or (selecting and config.selector == "hak"):
         q = jnp.stack([queries.q[i] for i in layers])
         k, _, bias = _context([cache.layers[i] for i in layers], reread)
-        scores = _attention_scores(q, queries.valid, k, bias, reread, cfg, config)
-    counts = head_counts(ratio, reread.context_len, shape, config.budget, scores, size)  # [L, B, K]
-    return size, full.at[jnp.asarray(layers)].set(counts)
+        attention = _attention_scores(q, queries.valid, k, bias, reread, cfg, config)
+    scores = None
+    if config.budget == "global":
+        scores = attention if global_by_attention else queries.kvzip_scores[jnp.asarray(layers)][..., :n]
+    counts = head_counts(ratio, reread.context_len, shape, config.budget, scores, config.head_cap)  # [L, B, K]
+    total = static_total(ratio, n, shape[:3], config.budget)
+    return size, total, full.at[jnp.asarray(layers)].set(counts), attention
 
 
-def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size: int, cfg: ModelConfig,
+def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size: int, total: int, cfg: ModelConfig,
          config: MatchingConfig):
     """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (with their bias [L, B, K, n]; by rank
     [L, B, K, n], or OMP), then fit their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32
-    (the kept keys' whole bias), c_v [L, B, K, S, H])."""
+    (the kept keys' whole bias), c_v [L, B, K, S, H]) with S = size. Heads are fitted in tiers of static sizes
+    (budgets.fit_tiers, from the bound `total` on the counts summed), largest counts first; a fit does not depend
+    on its padding, so the tiers only save work."""
     L, B, K, n, H = k.shape
     key_valid, query_valid, heads = _per_head(q, valid, k, reread)
     scale = cfg.query_scale
     lower, upper, iters = config.box()
 
-    def fit_one(args):
+    def fit_one(tier, args):  # one head fitted at `tier` keys, padded to `size`
         q_h, qv_h, k_h, v_h, b_h, kv_h, count, rank_h = args
         if config.selector == "omp":
-            selected = orthogonal_matching_pursuit(q_h, k_h, scale, size, kv_h, query_valid=qv_h, limit=count,
+            selected = orthogonal_matching_pursuit(q_h, k_h, scale, tier, kv_h, query_valid=qv_h, limit=count,
                                                    per_step=config.omp_step, refit_every=config.omp_refit,
                                                    key_bias=b_h)
         else:
-            _, selected = jax.lax.top_k(rank_h[:n], size)
-        active = (jnp.arange(size) < count) & kv_h[selected]  # [S]
+            _, selected = jax.lax.top_k(rank_h[:n], tier)
+        active = (jnp.arange(tier) < count) & kv_h[selected]  # [tier]
         c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
                                   lower=lower, upper=upper, iters=iters, value_ridge=config.value_ridge,
                                   key_bias=b_h)
         if config.refine_steps:  # keys stay at their slots: only beta and C_v move
             _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
                                           active=active, steps=config.refine_steps, key_bias=b_h)
-        return selected.astype(jnp.int32), active, beta, c_v
+        pad = lambda x: jnp.pad(x, [(0, size - tier)] + [(0, 0)] * (x.ndim - 1))  # [tier, ...] -> [S, ...]
+        return pad(selected.astype(jnp.int32)), pad(active), pad(beta), pad(c_v)
 
     if size == 0:
         shape = (L, B, K, 0)
         return (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(shape + (H,), jnp.float32))
     rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
-    fitted = jax.lax.map(fit_one, (heads(q), heads(query_valid), heads(k), heads(v), heads(bias), heads(key_valid),
-                                   counts.reshape(-1), rank_heads), batch_size=config.fit_batch)
-    return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
+    flat_counts = counts.reshape(-1)  # [L B K]
+    inputs = (heads(q), heads(query_valid), heads(k), heads(v), heads(bias), heads(key_valid), flat_counts,
+              rank_heads)
+    order = jnp.argsort(-flat_counts, stable=True)  # heads by count, the largest first
+    parts, start = [], 0
+    for tier_heads, tier_size in fit_tiers(size, total, L * B * K):
+        chosen = order[start:start + tier_heads]
+        start += tier_heads
+        if tier_size == 0:  # these heads keep nothing
+            parts.append((jnp.zeros((tier_heads, size), jnp.int32), jnp.zeros((tier_heads, size), bool),
+                          jnp.zeros((tier_heads, size), jnp.float32), jnp.zeros((tier_heads, size, H), jnp.float32)))
+            continue
+        parts.append(jax.lax.map(functools.partial(fit_one, tier_size), tuple(x[chosen] for x in inputs),
+                                 batch_size=config.fit_batch))
+    back = jnp.argsort(order)  # the inverse permutation: head h's row in the tiers' concatenation
+    return tuple(jnp.concatenate(x)[back].reshape((L, B, K) + x[0].shape[1:]) for x in zip(*parts))
 
 
 def _written(cache: kv.KVCache, reread: scoring.RereadInputs, layers, fitted) -> kv.KVCache:
@@ -301,7 +327,7 @@ def _written(cache: kv.KVCache, reread: scoring.RereadInputs, layers, fitted) ->
 
 
 def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
-                       config: MatchingConfig, probes: Probes | None, counts, size: int):
+                       config: MatchingConfig, probes: Probes | None, counts, size: int, total: int):
     """Layer-sequential compaction: the reference passes run layer by layer, and layer l's queries (and KVzip
     scores) come from the residual stream of layers < l already compacted, so each layer is fitted to the queries it
     will see. Counts come from the full cache's pass (global budgets rank every layer at once). Called eagerly, each
@@ -314,7 +340,7 @@ def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scor
         if i in compacted:
             observed = [_observed_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid,
                                         QueryObserver(p.rows, p.scorer)) for x, p in zip(streams, passes)]
-            fitted = _fit_layer(cfg, config, size, cache.layers[i], reread, counts[i], [o[0] for o in observed],
+            fitted = _fit_layer(cfg, config, size, total, cache.layers[i], reread, counts[i], [o[0] for o in observed],
                                 [p.valid for p in passes], [o[1] for o, p in zip(observed, passes) if p.scorer])
             cache = _written(cache, reread, (i,), fitted)
         if i < cfg.num_layers - 1:
@@ -335,8 +361,8 @@ def _block(params, cfg: ModelConfig, index: int, x, positions, layer_cache, num_
     return apply_block(params, cfg, index, x, positions, layer_cache, num_new)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.LayerCache, reread, counts,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, total: int, layer: kv.LayerCache, reread, counts,
                captured, valid, scored):
     """_fit of one layer from its captured queries (per pass [B, K, G, R_i, H], valid [B, R_i]) and, for the kvzip
     selector, its per-chunk KVzip scores [B, K, m] -> fitted arrays with a leading layer axis of 1."""
@@ -348,7 +374,7 @@ def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.La
         rank = scoring.in_context_scores(jnp.concatenate(scored, axis=-1)[None], reread.context_len)
     elif config.selector == "hak":
         rank = _attention_scores(q, valid, k, bias, reread, cfg, config)
-    return _fit(q, valid, k, v, bias, reread, rank, counts[None], size, cfg, config)
+    return _fit(q, valid, k, v, bias, reread, rank, counts[None], size, total, cfg, config)
 
 
 @jax.jit

@@ -55,11 +55,14 @@ def _gram(a: jax.Array) -> jax.Array:
 def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.Array | None = None,
                   gram: jax.Array | None = None) -> jax.Array:
     """argmin_x |a x - b|^2 + lam |x - prior|^2 via Cholesky of a^T a + lam I: a [N, S], b [N, ...] -> [S, ...];
-    lam = ridge x the mean diagonal of a^T a (relative, so it does not depend on the scale of a); prior: 0 if None;
-    gram: a^T a when already computed."""
+    lam = ridge x the mean diagonal of a^T a over the columns in use (relative, so it does not depend on the scale
+    of a; all-zero columns, a padded fit's inactive keys, do not count, so padding does not change the fit); prior: 0
+    if None; gram: a^T a when already computed."""
     gram = _gram(a) if gram is None else gram
     size = gram.shape[0]
-    lam = ridge * jnp.maximum(jnp.trace(gram) / max(size, 1), 1e-30)
+    diagonal = jnp.diagonal(gram)  # [S]
+    used = jnp.maximum(jnp.sum(diagonal > 0), 1)
+    lam = ridge * jnp.maximum(jnp.sum(diagonal) / used, 1e-30)
     chol = jnp.linalg.cholesky(gram + lam * jnp.eye(size, dtype=gram.dtype))
     rhs = jnp.einsum("NS,N...->S...", a, b, precision=HIGHEST)
     if prior is not None:
@@ -87,7 +90,8 @@ def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int)
 
 def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scale: float,
              key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
-             active: jax.Array | None = None, lower: float = float(np.exp(np.float32(-3.0))), upper: float = float(np.exp(np.float32(3.0))),
+             active: jax.Array | None = None, lower: float = float(np.exp(np.float32(-3.0))),
+             upper: float = float(np.exp(np.float32(3.0))),
              iters: int = 2, value_ridge: float = RIDGE, key_bias: jax.Array | None = None):
     """The compacted block of one KV head: (C_k [S, H], beta [S], C_v [S, H]), float32.
 
