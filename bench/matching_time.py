@@ -8,8 +8,9 @@ One context (real text: the bundled demo document, repeated as needed, cut to --
 system prompt, prefilled once into a [prefix | context] cache; then, on that cache, each step of the table:
   - prefill            gen.prefill of [prefix | context] (the library's chunked prefill, as bench/kvzip.py times it);
   - kvzip              kvzip.score_and_evict at the ratio (reread pass + scores + pair-level mask), for reference;
-  - am-hak             matching.compact, method am-hak (default MatchingConfig: selector hak, global budget by
-                       KVzip's scores): the reference pass (KVzip's reread, capturing queries and scores) and the fit;
+  - am-hak             matching.compact, method am-hak (default MatchingConfig: selector hak, global budgets by the
+                       reference queries' attention, heads capped at 0.75 of their keys): the reference pass (KVzip's
+                       reread, capturing queries) and the fit;
   - am-hak ref pass    matching.reference_queries alone (the first half of the above),
   - am-hak fit         jax.jit(matching.compact_with) from those queries (the second half);
   - am-hak uniform     the same with uniform budgets (every head fitted at ratio x T keys: the cheapest fit);

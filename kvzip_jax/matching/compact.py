@@ -129,10 +129,6 @@ class MatchingConfig:
     def needs_kvzip_scores(self) -> bool:
         return self.selector == "kvzip" or (self.budget == "global" and self.budget_scores == "kvzip")
 
-    @property
-    def needs_attention_scores(self) -> bool:
-        return self.selector == "hak" or (self.budget == "global" and self.budget_scores == "attention")
-
     def box(self) -> tuple[float, float, int]:
         """(lower, upper, gradient steps) of the NNLS weights: OMP's [1e-12, e^7] with none, else HAK's e^+-3
         with 2 (the reference code's settings); [1, 1] (beta = 0) without fit_bias."""
