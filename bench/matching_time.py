@@ -1,7 +1,8 @@
 """Attention Matching compaction cost against prefill, measured side by side in one run (CPU float32 here).
 
     python bench/matching_time.py [--model qwen2.5-coder-0.5b-instruct] [--tokens 2048] [--ratio 0.1] [--repeats 3]
-                                  [--omp-repeats 1] [--omp-exact-query-cap N] [--skip-omp-exact] [--random-weights]
+                                  [--omp-repeats 1] [--omp-exact-query-cap N] [--skip-omp-exact] [--skip-on-policy]
+                                  [--random-weights]
                                   [--json bench/results/matching_time.json]
 
 One context (real text: the bundled demo document, repeated as needed, cut to --tokens tokens) after the model's
@@ -104,6 +105,7 @@ def main() -> None:
                         help=f"reference rows per KV head and layer for exact OMP (default: the config's "
                              f"{matching.MatchingConfig().query_cap}); lower it when exact OMP is too slow")
     parser.add_argument("--skip-omp-exact", action="store_true", help="leave exact OMP out")
+    parser.add_argument("--skip-on-policy", action="store_true", help="leave am-hak-op out")
     parser.add_argument("--random-weights", action="store_true",
                         help="the checkpoint's config and tokenizer with random params (timing only)")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "matching_time.json"),
@@ -183,11 +185,14 @@ def main() -> None:
                                                  args.repeats)
     record("am-hak uniform", compile_s, times, "matching.compact, budget uniform",
            kept=kept_fraction(counts, cfg, n_ctx))
-    on_policy = matching.method_config("am-hak-op", args.ratio)
-    compile_s, times, (_, counts) = run_warm(lambda: matching.compact(params, cfg, cache, reread, on_policy),
-                                             args.repeats)
-    record("am-hak-op", compile_s, times, "matching.compact, on-policy (eager loop of jitted layer steps)",
-           kept=kept_fraction(counts, cfg, n_ctx))
+    if args.skip_on_policy:
+        print("  am-hak-op: skipped (--skip-on-policy)", flush=True)
+    else:
+        on_policy = matching.method_config("am-hak-op", args.ratio)
+        compile_s, times, (_, counts) = run_warm(lambda: matching.compact(params, cfg, cache, reread, on_policy),
+                                                 args.repeats)
+        record("am-hak-op", compile_s, times, "matching.compact, on-policy (eager loop of jitted layer steps)",
+               kept=kept_fraction(counts, cfg, n_ctx))
 
     # 6. OMP: fast, then exact
     fast = matching.method_config("am-omp", args.ratio, omp_step=4, omp_refit=2)
