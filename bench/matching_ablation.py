@@ -8,14 +8,17 @@ Variants (MatchingConfig choices). Of the fit: am-hak-r1 (values shrunk towards 
 am-hak-r1e4 (value_ridge 1e4: the kept values themselves, only beta fitted), kvzip-am-r1 (KVzip's selection,
 value_ridge 1), am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the values fitted). Of the budgets: am-hak-kb
 (HAK's keys, budgets ranked by KVzip's scores instead of the reference queries' attention), am-hak-kb-cap0.4 and
-am-hak-kb-cap0.2 (the same, a head keeping at most 0.4 or 0.2 of its keys instead of 0.75), kvzip-am-cap1 (KVzip's
-selection and budgets, no head cap: KVzip's own top-k with the AM fit). The product's methods am-hak and kvzip-am
+am-hak-kb-cap0.2 (the same, a head keeping at most 0.4 or 0.2 of its keys instead of 0.75), kvzip-am-cap1 and
+am-hak-kb-cap1 (KVzip's budgets with no head cap: KVzip's own top-k, with KVzip's or HAK's keys and the AM fit). The
+product's methods am-hak and kvzip-am
 run beside them. The report is the sweep's (summary.md, scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
 against none: its am-hak-cap20 / kvzip-am-cap20), am-budgets-640 (ratios 0.1 and 0.05: its am-hak is am-hak-kb here,
-its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap variants).
+its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap variants), am-quality-cap (the 48
+questions at 0.3: `--tasks '' --jsonl bench/results/quality.jsonl --methods kvzip,kvzip-am-cap1,am-hak-kb-cap1
+--ratios 1,0.3`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ VARIANTS = {
     "am-hak-kb-cap0.4": dict(selector="hak", budget_scores="kvzip", head_cap=0.4),
     "am-hak-kb-cap0.2": dict(selector="hak", budget_scores="kvzip", head_cap=0.2),
     "kvzip-am-cap1": dict(matching.METHODS["kvzip-am"], head_cap=1.0),
+    "am-hak-kb-cap1": dict(selector="hak", budget_scores="kvzip", head_cap=1.0),
 }
 
 
@@ -48,12 +52,14 @@ def main() -> int:
     parser.add_argument("--contexts", default="6")
     parser.add_argument("--context-tokens", default="640")
     parser.add_argument("--out", default="runs/am-ablation")
+    parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     args = parser.parse_args()
     matching.METHODS.update(VARIANTS)  # method name -> MatchingConfig choices, as the product's own methods
     sweep.METHODS = sweep.METHODS + tuple(VARIANTS)
     return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
                      "--context-tokens", args.context_tokens, "--batch-size", "8", "--methods", args.methods,
-                     "--ratios", args.ratios, "--no-progress", "--out", args.out])
+                     "--ratios", args.ratios, "--no-progress", "--out", args.out]
+                    + (["--jsonl", args.jsonl] if args.jsonl else []))
 
 
 if __name__ == "__main__":
