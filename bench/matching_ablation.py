@@ -10,8 +10,7 @@ value_ridge 1), am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the valu
 (HAK's keys, budgets ranked by KVzip's scores instead of the reference queries' attention), am-hak-kb-cap0.4 and
 am-hak-kb-cap0.2 (the same, a head keeping at most 0.4 or 0.2 of its keys instead of 0.75), kvzip-am-cap1 and
 am-hak-kb-cap1 (KVzip's budgets with no head cap: KVzip's own top-k, with KVzip's or HAK's keys and the AM fit). The
-product's methods am-hak and kvzip-am
-run beside them. The report is the sweep's (summary.md, scores.png in --out).
+product's methods am-hak and kvzip-am run beside them. The report is the sweep's (summary.md, scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
@@ -29,17 +28,18 @@ import sys
 from kvzip_jax import cli, matching
 from kvzip_jax.eval import sweep
 
+HAK_KVZIP_BUDGETS = dict(selector="hak", budget_scores="kvzip")
 VARIANTS = {
     "am-hak-r1": dict(selector="hak", value_ridge=1.0),
     "am-hak-r1e4": dict(selector="hak", value_ridge=1e4),
     "kvzip-am-r1": dict(matching.METHODS["kvzip-am"], value_ridge=1.0),
     "am-hak-nb": dict(selector="hak", fit_bias=False),
     "kvzip-am-nb": dict(matching.METHODS["kvzip-am"], fit_bias=False),
-    "am-hak-kb": dict(selector="hak", budget_scores="kvzip"),
-    "am-hak-kb-cap0.4": dict(selector="hak", budget_scores="kvzip", head_cap=0.4),
-    "am-hak-kb-cap0.2": dict(selector="hak", budget_scores="kvzip", head_cap=0.2),
+    "am-hak-kb": HAK_KVZIP_BUDGETS,
+    "am-hak-kb-cap0.4": dict(HAK_KVZIP_BUDGETS, head_cap=0.4),
+    "am-hak-kb-cap0.2": dict(HAK_KVZIP_BUDGETS, head_cap=0.2),
     "kvzip-am-cap1": dict(matching.METHODS["kvzip-am"], head_cap=1.0),
-    "am-hak-kb-cap1": dict(selector="hak", budget_scores="kvzip", head_cap=1.0),
+    "am-hak-kb-cap1": dict(HAK_KVZIP_BUDGETS, head_cap=1.0),
 }
 
 

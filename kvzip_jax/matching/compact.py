@@ -290,10 +290,12 @@ def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size:
         pad = lambda x: jnp.pad(x, [(0, size - tier)] + [(0, 0)] * (x.ndim - 1))  # [tier, ...] -> [S, ...]
         return pad(selected.astype(jnp.int32)), pad(active), pad(beta), pad(c_v)
 
-    if size == 0:
-        shape = (L, B, K, 0)
+    def nothing_kept(shape):  # selected, active, beta [*shape] and c_v [*shape, H] of heads that keep no key
         return (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.float32),
                 jnp.zeros(shape + (H,), jnp.float32))
+
+    if size == 0:
+        return nothing_kept((L, B, K, 0))
     rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
     flat_counts = counts.reshape(-1)  # [L B K]
     inputs = (heads(q), heads(query_valid), heads(k), heads(v), heads(bias), heads(key_valid), flat_counts,
@@ -303,9 +305,8 @@ def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size:
     for tier_heads, tier_size in fit_tiers(size, total, L * B * K):
         chosen = order[start:start + tier_heads]
         start += tier_heads
-        if tier_size == 0:  # these heads keep nothing
-            parts.append((jnp.zeros((tier_heads, size), jnp.int32), jnp.zeros((tier_heads, size), bool),
-                          jnp.zeros((tier_heads, size), jnp.float32), jnp.zeros((tier_heads, size, H), jnp.float32)))
+        if tier_size == 0:
+            parts.append(nothing_kept((tier_heads, size)))
             continue
         parts.append(jax.lax.map(functools.partial(fit_one, tier_size), tuple(x[chosen] for x in inputs),
                                  batch_size=config.fit_batch))
