@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvzip_jax import matching
+from kvzip_jax.matching import fit
 from kvzip_jax.matching.fit import logits, mass_features
 
 H = 16
@@ -110,6 +111,36 @@ def test_fit_head_equals_the_numpy_oracle(count):
     eager = matching.fit_head(q, k, v, selected, SCALE, iters=iters)
     for g, e in zip(got, eager):
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("columns", [0, 1, 128, 129, 257, 300])
+def test_gram_computes_the_blocks_before_its_columns_and_equals_the_dense_one(columns):
+    a = np.random.default_rng(12).standard_normal((64, 300)).astype(np.float32)
+    a[:, columns:] = 0.0  # the contract: columns from `columns` on are zero
+    want = a.astype(np.float64).T @ a.astype(np.float64)
+    for got in (fit.gram(jnp.asarray(a), jnp.int32(columns)), jax.jit(fit.gram)(jnp.asarray(a), columns)):
+        np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+
+
+def test_a_padded_fit_wider_than_a_gram_block_equals_the_fit_at_its_own_count():
+    """A head fitted at a static size of 300 keys with only its first 150 active (the blocked Gram stops after two
+    blocks) is the fit of those 150 keys alone, judged by what it reproduces: the attention output and mass on the
+    reference queries (150 float32 columns make beta and C_v themselves ill-conditioned, the outputs are not); the
+    padding comes back as zeros."""
+    q, k, v = _head(13, n=600, T=400)
+    selected = matching.highest_attention_keys(q, k, SCALE, 300)
+    active = jnp.arange(300) < 150
+    ck, beta, cv = jax.jit(matching.fit_head, static_argnames="scale")(q, k, v, selected, SCALE, active=active)
+    alone = matching.fit_head(q, k, v, selected[:150], SCALE)
+    np.testing.assert_array_equal(np.asarray(ck[:150]), np.asarray(alone[0]))
+    np.testing.assert_array_equal(np.asarray(cv[150:]), 0.0)
+    out, lse = matching.attend(q, ck[:150], cv[:150], SCALE, beta[:150])
+    want_out, want_lse = matching.attend(q, *alone[::2], SCALE, alone[1])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-4)
+    full_out, _ = matching.attend(q, k, v, SCALE)
+    evicted, _ = matching.attend(q, k[selected[:150]], v[selected[:150]], SCALE)
+    assert float(jnp.mean((out - full_out) ** 2)) < float(jnp.mean((evicted - full_out) ** 2))  # a fit at all
 
 
 def test_highest_attention_keys_are_the_largest_aggregated_weights():

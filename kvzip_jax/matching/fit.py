@@ -23,6 +23,7 @@ import numpy as np
 from kvzip_jax.models.attention import MASK_VALUE
 
 HIGHEST = jax.lax.Precision.HIGHEST
+GRAM_BLOCK = 128  # columns per block of a Gram computed only as far as a head's count
 RIDGE = 1e-6  # relative ridge of the normal equations (x mean diagonal): keeps a rank-deficient fit finite
 
 
@@ -48,42 +49,65 @@ def mass_features(z: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return phi, phi.sum(axis=1), seen
 
 
-def _gram(a: jax.Array) -> jax.Array:
-    return jnp.einsum("NS,NU->SU", a, a, precision=HIGHEST)  # [S, S]
+def gram(a: jax.Array, columns: jax.Array | None = None) -> jax.Array:
+    """a^T a [S, S] for a [N, S]. columns (a traced int, or None: all): a's columns from `columns` on are zero (a
+    padded fit's inactive keys), so only the blocks of GRAM_BLOCK x GRAM_BLOCK columns before it are computed: the
+    work follows a head's own count, not the static size of its fit (the Gram is most of a fit's work)."""
+    S = a.shape[1]
+    if columns is None or S <= GRAM_BLOCK:
+        return jnp.einsum("NS,NU->SU", a, a, precision=HIGHEST)
+    blocks = -(-S // GRAM_BLOCK)
+    rows = jnp.pad(a, ((0, 0), (0, blocks * GRAM_BLOCK - S))).T  # [S', N]: a column block is a contiguous row slice
+    take = lambda i: jax.lax.dynamic_slice_in_dim(rows, i * GRAM_BLOCK, GRAM_BLOCK)  # [GRAM_BLOCK, N]
+
+    def block_row(i, g):
+        left = take(i)
+
+        def block(j, g):  # the (i, j) block and its mirror
+            b = jnp.einsum("SN,UN->SU", left, take(j), precision=HIGHEST)  # [GRAM_BLOCK, GRAM_BLOCK]
+            g = jax.lax.dynamic_update_slice(g, b, (i * GRAM_BLOCK, j * GRAM_BLOCK))
+            return jax.lax.dynamic_update_slice(g, b.T, (j * GRAM_BLOCK, i * GRAM_BLOCK))
+
+        return jax.lax.fori_loop(0, i + 1, block, g)
+
+    used = (jnp.clip(columns, 0, S) + GRAM_BLOCK - 1) // GRAM_BLOCK
+    g = jax.lax.fori_loop(0, used, block_row, jnp.zeros((blocks * GRAM_BLOCK,) * 2, a.dtype))
+    return g[:S, :S]
 
 
 def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.Array | None = None,
-                  gram: jax.Array | None = None) -> jax.Array:
+                  gram_a: jax.Array | None = None, columns: jax.Array | None = None) -> jax.Array:
     """argmin_x |a x - b|^2 + lam |x - prior|^2 via Cholesky of a^T a + lam I: a [N, S], b [N, ...] -> [S, ...];
     lam = ridge x the mean diagonal of a^T a over the columns in use (relative, so it does not depend on the scale
     of a; all-zero columns, a padded fit's inactive keys, do not count, so padding does not change the fit); prior: 0
-    if None; gram: a^T a when already computed."""
-    gram = _gram(a) if gram is None else gram
-    size = gram.shape[0]
-    diagonal = jnp.diagonal(gram)  # [S]
+    if None; gram_a: a^T a when already computed; columns: as in `gram`."""
+    gram_a = gram(a, columns) if gram_a is None else gram_a
+    size = gram_a.shape[0]
+    diagonal = jnp.diagonal(gram_a)  # [S]
     used = jnp.maximum(jnp.sum(diagonal > 0), 1)
     lam = ridge * jnp.maximum(jnp.sum(diagonal) / used, 1e-30)
-    chol = jnp.linalg.cholesky(gram + lam * jnp.eye(size, dtype=gram.dtype))
+    chol = jnp.linalg.cholesky(gram_a + lam * jnp.eye(size, dtype=gram_a.dtype))
     rhs = jnp.einsum("NS,N...->S...", a, b, precision=HIGHEST)
     if prior is not None:
         rhs = rhs + lam * prior
     return jax.scipy.linalg.cho_solve((chol, True), rhs)
 
 
-def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int) -> jax.Array:
+def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int,
+             columns: jax.Array | None = None) -> jax.Array:
     """w [S] ~ argmin_{lower <= w <= upper} |m w - y|^2 for m [N, S], y [N]: the (ridged) least-squares solution
     clipped to the box, then `iters` projected-gradient steps of size 1/|m^T m|_F (the Frobenius norm bounds the
     largest eigenvalue, so the steps never overshoot, at the price of an eigensolver; with enough steps it converges
-    to the box-NNLS optimum, whose KKT conditions tests/test_matching.py checks)."""
-    gram = _gram(m)  # [S, S], shared with the least-squares start
-    w = jnp.clip(_solve_normal(m, y, gram=gram), lower, upper)  # [S]
+    to the box-NNLS optimum, whose KKT conditions tests/test_matching.py checks). columns: as in `gram`."""
+    gram_m = gram(m, columns)  # [S, S], shared with the least-squares start
+    w = jnp.clip(_solve_normal(m, y, gram_a=gram_m), lower, upper)  # [S]
     if iters == 0:
         return w
-    lipschitz = jnp.maximum(jnp.sqrt(jnp.sum(gram * gram)), 1e-6)  # >= |m|_2^2
+    lipschitz = jnp.maximum(jnp.sqrt(jnp.sum(gram_m * gram_m)), 1e-6)  # >= |m|_2^2
     target = jnp.einsum("NS,N->S", m, y, precision=HIGHEST)  # [S]
 
     def step(_, w):
-        return jnp.clip(w - (jnp.einsum("SU,U->S", gram, w, precision=HIGHEST) - target) / lipschitz, lower, upper)
+        return jnp.clip(w - (jnp.einsum("SU,U->S", gram_m, w, precision=HIGHEST) - target) / lipschitz, lower, upper)
 
     return jax.lax.fori_loop(0, iters, step, w)
 
@@ -107,16 +131,17 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
         return jnp.zeros((0, k.shape[1]), jnp.float32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, v.shape[1]),
                                                                                             jnp.float32)
     active = jnp.ones(selected.shape, bool) if active is None else active
+    columns = jnp.max(jnp.where(active, jnp.arange(1, active.shape[0] + 1), 0))  # inactive from here on
     z = logits(q, k, scale, key_valid, query_valid, key_bias)  # [N, T]
     phi, mass, seen = mass_features(z)
-    w = nnls_box(jnp.where(active[None, :], phi[:, selected], 0.0), mass, lower, upper, iters)  # [S]
+    w = nnls_box(jnp.where(active[None, :], phi[:, selected], 0.0), mass, lower, upper, iters, columns)  # [S]
     beta = jnp.log(w)
     attention = jnp.where(seen[:, None], jax.nn.softmax(z, axis=1), 0.0)  # [N, T]; unseen rows weigh nothing
     target = jnp.einsum("NT,TH->NH", attention, v.astype(jnp.float32), precision=HIGHEST)  # [N, H]
     compact_z = jnp.where(active[None, :], z[:, selected] + beta[None, :], MASK_VALUE)  # [N, S]
     weights = jnp.where(seen[:, None] & active[None, :], jax.nn.softmax(compact_z, axis=1), 0.0)  # [N, S]
     kept_v = jnp.where(active[:, None], v[selected].astype(jnp.float32), 0.0)  # [S, H]
-    c_v = _solve_normal(weights, target, value_ridge, kept_v)  # [S, H]; shrunk towards the kept values
+    c_v = _solve_normal(weights, target, value_ridge, kept_v, columns=columns)  # [S, H]; towards the kept values
     if key_bias is not None:
         beta = beta + key_bias[selected].astype(jnp.float32)
     return k[selected].astype(jnp.float32), beta, c_v
