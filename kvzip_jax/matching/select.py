@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvzip_jax.matching.fit import HIGHEST, RIDGE, logits, mass_features
+from kvzip_jax.matching.fit import HIGHEST, RIDGE, gram, logits, mass_features
 
 AGGREGATIONS = ("rms", "max", "mean")
 OMP_UPPER = float(np.exp(np.float32(7.0)))  # the reference code's box for OMP weights: beta <= 7
@@ -72,10 +72,9 @@ def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count:
     limit = jnp.asarray(count if limit is None else limit, jnp.int32)
     ridge = RIDGE * jnp.maximum(jnp.max(jnp.sum(phi * phi, axis=0)), 1e-30)  # a fixed scale for every refit
 
-    def refit(columns, active):  # clamped least squares of the chosen columns' weights
-        gram = jnp.einsum("NS,NU->SU", columns, columns, precision=HIGHEST)  # [count, count]
-        gram = gram + jnp.diag(jnp.where(active, ridge, 1.0))
-        w = jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(gram), True),
+    def refit(columns, active, used):  # clamped least squares of the chosen columns' weights (the first `used`)
+        normal = gram(columns, used) + jnp.diag(jnp.where(active, ridge, 1.0))  # [count, count]
+        w = jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(normal), True),
                                        jnp.einsum("NS,N->S", columns, mass, precision=HIGHEST))
         return jnp.clip(w, 1e-12, OMP_UPPER)
 
@@ -87,12 +86,13 @@ def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count:
         places = jnp.where(places < limit, places, count)  # past the budget: dropped
         chosen = chosen.at[places].set(picks.astype(jnp.int32), mode="drop")
         taken = taken.at[jnp.where(places < count, picks, T)].set(True, mode="drop")
-        active = jnp.arange(count) < jnp.minimum((s + 1) * per_step, limit)  # [count]
+        used = jnp.minimum((s + 1) * per_step, limit)
+        active = jnp.arange(count) < used  # [count]
         columns = jnp.where(active[None, :], phi[:, chosen], 0.0)  # [N, count]; inactive columns are zero
         w = jnp.where(active, jnp.where(w > 0, w, 1e-12), 0.0)  # new keys start at the lower bound
         last = (s + 1) * per_step >= limit
-        w = jax.lax.cond(((s + 1) % refit_every == 0) | last, lambda: jnp.where(active, refit(columns, active), 0.0),
-                         lambda: w)
+        refitting = ((s + 1) % refit_every == 0) | last
+        w = jax.lax.cond(refitting, lambda: jnp.where(active, refit(columns, active, used), 0.0), lambda: w)
         return s + 1, chosen, taken, w, jnp.einsum("NS,S->N", columns, w, precision=HIGHEST)
 
     init = (jnp.int32(0), jnp.zeros((count,), jnp.int32), jnp.zeros((T,), bool), jnp.zeros((count,), jnp.float32),
