@@ -6,18 +6,20 @@ variants of the fit registered as extra methods beside KVzip and am-hak.
 
 Variants (MatchingConfig choices). Of the fit: am-hak-r1 (values shrunk towards the kept ones, value_ridge 1),
 am-hak-r1e4 (value_ridge 1e4: the kept values themselves, only beta fitted), kvzip-am-r1 (KVzip's selection,
-value_ridge 1), am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the values fitted). Of the budgets: am-hak-kb
-(HAK's keys, budgets ranked by KVzip's scores instead of the reference queries' attention), am-hak-kb-cap0.4 and
-am-hak-kb-cap0.2 (the same, a head keeping at most 0.4 or 0.2 of its keys instead of 0.75), kvzip-am-cap1 and
-am-hak-kb-cap1 (KVzip's budgets with no head cap: KVzip's own top-k, with KVzip's or HAK's keys and the AM fit). The
-product's methods am-hak and kvzip-am run beside them. The report is the sweep's (summary.md, scores.png in --out).
+value_ridge 1), am-hak-nb and kvzip-am-nb (fit_bias off: beta = 0, only the values fitted). Of the budgets:
+am-hak-kb-cap0.75 (HAK's keys, budgets ranked by KVzip's scores instead of the reference queries' attention),
+am-hak-kb-cap0.4 and am-hak-kb-cap0.2 (the same, a head keeping at most 0.4 or 0.2 of its keys instead of 0.75),
+kvzip-am-cap1 (KVzip's own top-k with no head cap: KVzip's kept pairs, the AM fit), am-hak-cap1 (the default
+budgets, ranked by the reference queries' attention, with no head cap). The product's methods am-hak, kvzip-am and
+am-hak-kb (HAK's keys in KVzip's uncapped budgets) run beside them. The report is the sweep's (summary.md,
+scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
-against none: its am-hak-cap20 / kvzip-am-cap20), am-budgets-640 (ratios 0.1 and 0.05: its am-hak is am-hak-kb here,
-its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap variants), am-quality-cap (the 48
-questions at 0.3: `--tasks '' --jsonl bench/results/quality.jsonl --methods kvzip,kvzip-am-cap1,am-hak-kb-cap1
---ratios 1,0.3`).
+against none: its am-hak-cap20 / kvzip-am-cap20), am-budgets-640 (ratios 0.1 and 0.05: its am-hak is
+am-hak-kb-cap0.75 here, its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap variants),
+am-quality-cap (the 48 questions at 0.3: `--tasks '' --jsonl bench/results/quality.jsonl --methods
+kvzip,kvzip-am-cap1,am-hak-kb,am-hak-cap1 --ratios 1,0.3`; its am-hak-kb-cap1 is today's am-hak-kb).
 """
 
 from __future__ import annotations
@@ -35,11 +37,11 @@ VARIANTS = {
     "kvzip-am-r1": dict(matching.METHODS["kvzip-am"], value_ridge=1.0),
     "am-hak-nb": dict(selector="hak", fit_bias=False),
     "kvzip-am-nb": dict(matching.METHODS["kvzip-am"], fit_bias=False),
-    "am-hak-kb": HAK_KVZIP_BUDGETS,
+    "am-hak-kb-cap0.75": HAK_KVZIP_BUDGETS,
     "am-hak-kb-cap0.4": dict(HAK_KVZIP_BUDGETS, head_cap=0.4),
     "am-hak-kb-cap0.2": dict(HAK_KVZIP_BUDGETS, head_cap=0.2),
     "kvzip-am-cap1": dict(matching.METHODS["kvzip-am"], head_cap=1.0),
-    "am-hak-kb-cap1": dict(HAK_KVZIP_BUDGETS, head_cap=1.0),
+    "am-hak-cap1": dict(selector="hak", head_cap=1.0),
 }
 
 

@@ -15,6 +15,7 @@ system prompt, prefilled once into a [prefix | context] cache; then, on that cac
   - am-hak ref pass    matching.reference_queries alone (the first half of the above),
   - am-hak fit         jax.jit(matching.compact_with) from those queries (the second half);
   - am-hak uniform     the same with uniform budgets (every head fitted at ratio x T keys: the cheapest fit);
+  - am-hak-kb          matching.compact, method am-hak-kb (HAK's keys in KVzip's uncapped per-head budgets);
   - am-hak-op          on-policy compaction (layer by layer; eager, with jitted per-layer steps);
   - am-omp-fast        matching.compact, am-omp with omp_step=4, omp_refit=2 (AM-OMP-fast);
   - am-omp             matching.compact, am-omp exact (omp_step=1, omp_refit=1); --skip-omp-exact leaves it out and
@@ -178,12 +179,18 @@ def main() -> None:
     record("  am-hak fit", compile_s, times, "compact_with from those queries", kept=kept_fraction(counts, cfg, n_ctx))
     del queries
 
-    # 5. am-hak variants: uniform budgets (static fit size ratio x T instead of head_cap x T), and on-policy
+    # 5. am-hak variants: uniform budgets (static fit size ratio x T instead of head_cap x T), KVzip's budgets (the
+    # am-hak-kb method: no cap, so the static size is T; the blocked Gram follows the heads' counts), and on-policy
     # (layer by layer, called eagerly: its per-layer steps are jitted, so the run after the first is warm)
     uniform = matching.method_config("am-hak", args.ratio, budget="uniform")
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, uniform),
                                                  args.repeats)
     record("am-hak uniform", compile_s, times, "matching.compact, budget uniform",
+           kept=kept_fraction(counts, cfg, n_ctx))
+    kvzip_budgets = matching.method_config("am-hak-kb", args.ratio)
+    compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, kvzip_budgets),
+                                                 args.repeats)
+    record("am-hak-kb", compile_s, times, "matching.compact, KVzip's uncapped budgets",
            kept=kept_fraction(counts, cfg, n_ctx))
     if args.skip_on_policy:
         print("  am-hak-op: skipped (--skip-on-policy)", flush=True)

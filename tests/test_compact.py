@@ -10,7 +10,7 @@ import pytest
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax import matching
+from kvzip_jax import kvzip, matching
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import kept_count
 from kvzip_jax.models.params import init_params
@@ -159,6 +159,17 @@ def test_one_head_of_compact_equals_the_numpy_oracle(setup):
     np.testing.assert_array_equal(kept, selected)
     np.testing.assert_allclose(np.asarray(compacted.bias[row, head, prefix + kept]), beta, atol=2e-3, rtol=2e-3)
     np.testing.assert_allclose(np.asarray(compacted.v[row, head, prefix + kept]), c_v, atol=2e-3, rtol=2e-3)
+
+
+def test_am_hak_kb_keeps_kvzips_own_per_head_counts(setup):
+    """am-hak-kb: KVzip's uncapped budgets, so each head keeps as many pairs as KVzip's pair-level eviction keeps
+    there (at the same bytes' ratio), while its keys are HAK's and its values fitted."""
+    cfg, params, cache, reread = setup
+    config = matching.method_config("am-hak-kb", 0.3)
+    out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
+    evicted, _ = kvzip.score_and_evict(params, cfg, cache, reread, matching.effective_ratio(config, cache))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(kv.kept_per_head(evicted)) - 4)  # 4: the prefix
+    assert np.asarray(counts).std() > 0  # budgets are uneven, or the test would not tell them from uniform ones
 
 
 def test_each_head_is_its_own_fit_whatever_the_tiers(setup):

@@ -57,9 +57,12 @@ from kvzip_jax.models.transformer import apply_block, embed_tokens
 SELECTORS = ("hak", "omp", "kvzip")
 BUDGET_SCORES = ("kvzip", "attention")
 # method name -> its MatchingConfig choices; "-op": on-policy (layer-sequential) compaction. kvzip-am is KVzip's
-# selection and budgets with the AM fit; the others take budgets from the reference queries' attention.
+# selection and budgets with the AM fit; am-hak-kb is HAK's keys within KVzip's own per-head budgets (no head cap:
+# what KVzip's pair-level top-k keeps per head), the variant that holds at mild ratios (README); the others take
+# budgets from the reference queries' attention.
 KVZIP_AM = dict(selector="kvzip", budget_scores="kvzip")
 METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": KVZIP_AM,
+           "am-hak-kb": dict(selector="hak", budget_scores="kvzip", head_cap=1.0),
            "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(KVZIP_AM, on_policy=True)}
 BIAS_BYTES = 4  # a float32 beta per kept pair
 
