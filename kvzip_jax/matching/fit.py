@@ -136,7 +136,7 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
     phi, mass, seen = mass_features(z)
     w = nnls_box(jnp.where(active[None, :], phi[:, selected], 0.0), mass, lower, upper, iters, columns)  # [S]
     beta = jnp.log(w)
-    attention = jnp.where(seen[:, None], jax.nn.softmax(z, axis=1), 0.0)  # [N, T]; unseen rows weigh nothing
+    attention = phi / jnp.where(seen, mass, 1.0)[:, None]  # [N, T]: softmax(z) from its shifted exps; unseen rows 0
     target = jnp.einsum("NT,TH->NH", attention, v.astype(jnp.float32), precision=HIGHEST)  # [N, H]
     compact_z = jnp.where(active[None, :], z[:, selected] + beta[None, :], MASK_VALUE)  # [N, S]
     weights = jnp.where(seen[:, None] & active[None, :], jax.nn.softmax(compact_z, axis=1), 0.0)  # [N, S]
