@@ -172,20 +172,21 @@ def test_am_hak_kb_keeps_kvzips_own_per_head_counts(setup):
     assert np.asarray(counts).std() > 0  # budgets are uneven, or the test would not tell them from uniform ones
 
 
-def test_each_head_is_its_own_fit_whatever_the_tiers(setup):
-    """Global budgets fit heads in tiers of static sizes (budgets.fit_tiers), largest counts first, padded to the
-    largest: every head of the compacted cache holds what fit_head gives for that head alone, at exactly its count
-    (its HAK keys, no padding)."""
+def test_each_head_is_its_own_fit_whatever_its_fit_size(setup, monkeypatch):
+    """Global budgets fit each head at the smallest static size of budgets.fit_sizes that holds its count, padded
+    to the largest: every head of the compacted cache holds what fit_head gives for that head alone, at exactly its
+    count (its HAK keys, no padding). The ladder goes down to 4 here, so that this model's few keys span it."""
+    monkeypatch.setattr(matching.budgets, "MIN_FIT_SIZE", 4)
     cfg, params, cache, reread = setup
-    config = matching.MatchingConfig(ratio=0.1, selector="hak", budget="global")
+    config = matching.MatchingConfig(ratio=0.3, selector="hak", budget="global")
     n = reread.chunk_size * reread.tokens.shape[0]
     ratio = matching.effective_ratio(config, cache)
     shape = (cfg.num_layers, 2, cfg.num_kv_heads)
-    tiers = matching.budgets.fit_tiers(matching.budgets.static_count(ratio, n, "global", config.head_cap),
-                                       matching.budgets.static_total(ratio, n, shape, "global"), int(np.prod(shape)))
-    assert len(tiers) > 2  # the fit runs in several tiers
+    sizes = np.array(matching.budgets.fit_sizes(matching.budgets.static_count(ratio, n, "global", config.head_cap)))
     queries = matching.reference_queries(params, cfg, cache, reread, with_scores=True)  # global budgets rank these
-    out, counts = jax.jit(matching.compact_with)(queries, cfg, cache, reread, config)
+    out, counts = jax.jit(lambda *a: matching.compact_with(*a))(queries, cfg, cache, reread, config)  # traced here
+    fitted_at = {int(sizes[sizes >= c].min()) for c in np.asarray(counts).ravel() if c > 0}
+    assert len(fitted_at) > 2  # the heads ran at several fit sizes
     lower, upper, iters = config.box()
     for l, b, k in np.ndindex(*shape):
         start, length, count = int(reread.prefix_len[b]), int(reread.context_len[b]), int(counts[l, b, k])

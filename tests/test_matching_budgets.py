@@ -7,7 +7,7 @@ import pytest
 
 from kvzip_jax import matching
 from kvzip_jax.kvzip.budget import kept_count
-from kvzip_jax.matching.budgets import fit_tiers, head_caps, head_counts, static_count
+from kvzip_jax.matching.budgets import MIN_FIT_SIZE, fit_sizes, head_caps, head_counts, static_count
 
 
 def oracle_counts(ratio, head_cap, lens, scores):
@@ -62,22 +62,13 @@ def test_head_cap_is_a_fraction(head_cap):
         matching.MatchingConfig(head_cap=head_cap)
 
 
-def test_fit_tiers_hold_every_head():
-    """Any counts of at most `size` summing to at most `total`, sorted from the largest, fit their tier's size; the
-    tiers cover every head once."""
-    rng = np.random.default_rng(5)
-    for _ in range(200):
-        heads, size = int(rng.integers(1, 40)), int(rng.integers(0, 300))
-        total = int(rng.integers(0, heads * size + 1))
-        if rng.random() < 0.5:  # the bound's worst case: m equal heads share the total
-            m = int(rng.integers(1, heads + 1))
-            counts = np.array([min(size, total // m)] * m + [0] * (heads - m))
-        else:  # a random split, uneven or nearly even
-            share = rng.dirichlet(np.full(heads, 10.0 ** rng.uniform(-2, 2)))
-            counts = np.minimum(np.floor(share * total), size).astype(np.int64)
-        counts = np.sort(counts)[::-1]
-        tiers = fit_tiers(size, total, heads)
-        assert sum(h for h, _ in tiers) == heads
-        sizes = np.repeat([s for _, s in tiers], [h for h, _ in tiers])
-        assert (counts <= sizes).all() and (sizes <= size).all()
-        assert list(sizes) == sorted(sizes, reverse=True)
+def test_fit_sizes_hold_every_count_with_little_padding():
+    """From `size` down, each rung at least the one above over sqrt(2): every count in (0, size] has a rung that
+    holds it, and the smallest such rung pads it by under 42% (counts below MIN_FIT_SIZE: MIN_FIT_SIZE's 42%)."""
+    for size in [0, 1, 31, 32, 33, 45, 100, 204, 1536, 4097]:
+        sizes = fit_sizes(size)
+        assert sizes[0] == size and list(sizes) == sorted(set(sizes), reverse=True)
+        assert len(sizes) == 1 or sizes[-1] >= MIN_FIT_SIZE
+        for count in range(1, size + 1):
+            fitted_at = min(s for s in sizes if s >= count)
+            assert fitted_at <= max(MIN_FIT_SIZE, count) * 1.42

@@ -10,10 +10,10 @@
             the fit. Which score and cap decide the KL at 20x (README, Attention Matching against KVzip).
 Counts are exact integers (kvzip.budget.kept_count); a ratio applies to the context pairs of the compacted layers.
 
-Fitting every head at the static size of the largest wastes most of the work when budgets are uneven (at 0.05 the
-cap is 15x the uniform count). `fit_tiers` groups heads by count into a few static sizes instead: heads whose counts
-sum to at most `total`, sorted from the largest, have an r-th count of at most total // (r + 1), so only a few heads
-need the full size, more need half of it, and so on.
+Fitting every head at the static size of the largest wastes most of the work when budgets are uneven (at 0.1 the
+cap is 7.5x the uniform count). `fit_sizes` is a ladder of static sizes instead, each the one above over sqrt(2):
+a head is fitted at the smallest that holds its own count (compact.py switches on the count at run time), so the
+padding of a fit above MIN_FIT_SIZE is under 42% of its count.
 
 Einsum legend: L compacted layers, B batch, K KV heads, n context columns.
 """
@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from kvzip_jax.kvzip.budget import RATIO_UNITS, kept_count, top_counts
 
 BUDGETS = ("uniform", "global")
-TIER_STEP = 2 ** 0.5  # each fit size is the one above over sqrt(2): at ratio 0.1 about the work of a 4x cap, padded
+FIT_STEP = 2 ** 0.5  # each fit size is the one above over sqrt(2)
+MIN_FIT_SIZE = 32
 
 
 def _host_count(ratio: float, n: int) -> int:
@@ -42,28 +43,13 @@ def static_count(ratio: float, n: int, budget: str, head_cap: float) -> int:
     return min(n, max(_host_count(head_cap, n), _host_count(ratio, n) + 1))
 
 
-def static_total(ratio: float, n: int, shape: tuple[int, int, int], budget: str) -> int:
-    """A bound on the sum of the counts [L, B, K] = shape of rows of at most n context columns."""
-    L, B, K = shape
-    return L * B * K * _host_count(ratio, n) if budget == "uniform" else B * _host_count(ratio, L * K * n)
-
-
-def fit_tiers(size: int, total: int, heads: int) -> tuple[tuple[int, int], ...]:
-    """Static (heads, size) groups covering `heads` heads sorted by count from the largest, for counts of at most
-    `size` summing to at most `total`: the r-th head is fitted at the smallest size of the ladder size,
-    size / sqrt(2), ... (rounded up) that holds min(size, total // (r + 1)); heads bound to 0 get size 0."""
+def fit_sizes(size: int) -> tuple[int, ...]:
+    """The static fit sizes for heads of at most `size` keys, from `size` down: each the one above over sqrt(2)
+    (rounded up), none below MIN_FIT_SIZE (smaller fits cost as much: their [N, T] work dominates)."""
     ladder = [size]
-    while ladder[-1] > 1 and math.ceil(ladder[-1] / TIER_STEP) < ladder[-1]:
-        ladder.append(math.ceil(ladder[-1] / TIER_STEP))
-    tiers: list[list[int]] = []
-    for r in range(heads):
-        bound = min(size, total // (r + 1))
-        tier = min(s for s in ladder if s >= bound) if bound > 0 else 0
-        if tiers and tiers[-1][1] == tier:
-            tiers[-1][0] += 1
-        else:
-            tiers.append([1, tier])
-    return tuple((n, s) for n, s in tiers)
+    while math.ceil(ladder[-1] / FIT_STEP) >= MIN_FIT_SIZE:
+        ladder.append(math.ceil(ladder[-1] / FIT_STEP))
+    return tuple(ladder)
 
 
 def head_caps(ratio: float, head_cap: float, context_len: jax.Array) -> jax.Array:

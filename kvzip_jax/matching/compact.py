@@ -39,7 +39,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import check_ratio
-from kvzip_jax.matching.budgets import BUDGETS, fit_tiers, head_counts, static_count, static_total
+from kvzip_jax.matching.budgets import BUDGETS, fit_sizes, head_counts, static_count
 from kvzip_jax.matching.fit import RIDGE, fit_head
 from kvzip_jax.matching.queries import (
     SOURCES,
@@ -84,9 +84,6 @@ class MatchingConfig:
     value_ridge: the value fit's ridge towards the kept keys' own values, relative to the mean diagonal of its normal
     equations (fit.RIDGE: a least-squares fit; large: the kept values themselves, only beta fitted).
     fit_bias: fit beta to the attention mass (False: beta = 0, only the values fitted; an ablation).
-    fit_batch: heads fitted at once (lax.map's batch_size; memory grows with it). 1 by default: 4-8 fitted ~20%
-    faster on Qwen2.5 at 875 tokens, but 4 made the tiny random model of tests/test_eval_sweep.py run for minutes
-    instead of seconds (cause not yet found).
     """
 
     ratio: float = 0.1
@@ -101,7 +98,6 @@ class MatchingConfig:
     omp_refit: int = 1
     same_bytes: bool = True
     on_policy: bool = False
-    fit_batch: int = 1
     refine_steps: int = 0
     value_ridge: float = RIDGE
     fit_bias: bool = True
@@ -117,8 +113,8 @@ class MatchingConfig:
             raise ValueError(f"sources must be among {SOURCES}, got {self.sources}")
         if not 0 < self.head_cap <= 1:
             raise ValueError(f"head_cap is a fraction of a head's keys, in (0, 1], got {self.head_cap}")
-        if self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1 or self.fit_batch < 1:
-            raise ValueError("query_cap, omp_step, omp_refit and fit_batch must be >= 1")
+        if self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1:
+            raise ValueError("query_cap, omp_step and omp_refit must be >= 1")
         if self.refine_steps < 0:
             raise ValueError(f"refine_steps must be >= 0, got {self.refine_steps}")
         if not self.value_ridge > 0:
@@ -169,10 +165,10 @@ def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadI
     if not config.on_policy:
         return compact_with(queries, cfg, cache, reread, config)
     _check_compactable(cache, queries, config)
-    size, total, counts, _ = _budget(queries, cfg, cache, reread, config, selecting=False)
+    size, counts, _ = _budget(queries, cfg, cache, reread, config, selecting=False)
     if size is None:
         return cache, counts
-    return _compact_on_policy(params, cfg, cache, reread, config, probes, counts, size, total)
+    return _compact_on_policy(params, cfg, cache, reread, config, probes, counts, size)
 
 
 def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
@@ -182,7 +178,7 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     if config.on_policy:
         raise ValueError("on-policy compaction runs the model layer by layer: call compact, not compact_with")
     _check_compactable(cache, queries, config)
-    size, total, counts, attention = _budget(queries, cfg, cache, reread, config, selecting=True)
+    size, counts, attention = _budget(queries, cfg, cache, reread, config, selecting=True)
     if size is None:
         return cache, counts
     layers = scoring.evictable_layers(cfg)
@@ -193,7 +189,7 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
         rank = queries.kvzip_scores[jnp.asarray(layers)]
     elif config.selector == "hak":
         rank = attention
-    fitted = _fit(q, queries.valid, k, v, bias, reread, rank, counts[jnp.asarray(layers)], size, total, cfg, config)
+    fitted = _fit(q, queries.valid, k, v, bias, reread, rank, counts[jnp.asarray(layers)], size, cfg, config)
     return _written(cache, reread, layers, fitted), counts
 
 
@@ -236,8 +232,8 @@ def _attention_scores(q, valid, k, bias, reread: scoring.RereadInputs, cfg: Mode
 
 def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
             config: MatchingConfig, selecting: bool):
-    """(size, total, counts [L_all, B, K], attention): the most keys of one head (static; None: nothing to compact),
-    a static bound on the compacted heads' counts summed, every layer's count (uncompacted layers count their whole
+    """(size, counts [L_all, B, K], attention): the most keys of one head (static; None: nothing to compact), every
+    layer's count (uncompacted layers count their whole
     context), and HAK's per-key scores [L, B, K, n] of the compacted layers when the budgets rank them or, selecting,
     the selector does (else None): computed once for both."""
     layers = scoring.evictable_layers(cfg)
@@ -245,7 +241,7 @@ def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCach
     full = jnp.broadcast_to(reread.context_len[None, :, None],
                             (cfg.num_layers,) + cache.layers[0].lengths.shape).astype(jnp.int32)
     if config.ratio >= 1.0 or not layers:
-        return None, None, full, None
+        return None, full, None
     ratio = effective_ratio(config, cache)
     size = static_count(ratio, n, config.budget, config.head_cap)
     shape = (len(layers),) + cache.layers[0].lengths.shape + (n,)
@@ -259,62 +255,56 @@ def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCach
     if config.budget == "global":
         scores = attention if global_by_attention else queries.kvzip_scores[jnp.asarray(layers)][..., :n]
     counts = head_counts(ratio, reread.context_len, shape, config.budget, scores, config.head_cap)  # [L, B, K]
-    total = static_total(ratio, n, shape[:3], config.budget)
-    return size, total, full.at[jnp.asarray(layers)].set(counts), attention
+    return size, full.at[jnp.asarray(layers)].set(counts), attention
 
 
-def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size: int, total: int, cfg: ModelConfig,
+def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size: int, cfg: ModelConfig,
          config: MatchingConfig):
     """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (with their bias [L, B, K, n]; by rank
     [L, B, K, n], or OMP), then fit their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32
-    (the kept keys' whole bias), c_v [L, B, K, S, H]) with S = size. Heads are fitted in tiers of static sizes
-    (budgets.fit_tiers, from the bound `total` on the counts summed), largest counts first; a fit does not depend
-    on its padding, so the tiers only save work."""
+    (the kept keys' whole bias), c_v [L, B, K, S, H]) with S = size. The heads are fitted one after another, each at
+    the smallest static size of budgets.fit_sizes that holds its count (a switch at run time); a fit does not depend
+    on its padding, so the ladder only saves work."""
     L, B, K, n, H = k.shape
     key_valid, query_valid, heads = _per_head(q, valid, k, reread)
     scale = cfg.query_scale
     lower, upper, iters = config.box()
 
-    def fit_one(tier, args):  # one head fitted at `tier` keys, padded to `size`
+    def fit_one(t, args):  # one head fitted at t keys, padded to `size`
         q_h, qv_h, k_h, v_h, b_h, kv_h, count, rank_h = args
         if config.selector == "omp":
-            selected = orthogonal_matching_pursuit(q_h, k_h, scale, tier, kv_h, query_valid=qv_h, limit=count,
+            selected = orthogonal_matching_pursuit(q_h, k_h, scale, t, kv_h, query_valid=qv_h, limit=count,
                                                    per_step=config.omp_step, refit_every=config.omp_refit,
                                                    key_bias=b_h)
         else:
-            _, selected = jax.lax.top_k(rank_h[:n], tier)
-        active = (jnp.arange(tier) < count) & kv_h[selected]  # [tier]
+            _, selected = jax.lax.top_k(rank_h[:n], t)
+        active = (jnp.arange(t) < count) & kv_h[selected]  # [t]
         c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
                                   lower=lower, upper=upper, iters=iters, value_ridge=config.value_ridge,
                                   key_bias=b_h)
         if config.refine_steps:  # keys stay at their slots: only beta and C_v move
             _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
                                           active=active, steps=config.refine_steps, key_bias=b_h)
-        pad = lambda x: jnp.pad(x, [(0, size - tier)] + [(0, 0)] * (x.ndim - 1))  # [tier, ...] -> [S, ...]
+        pad = lambda x: jnp.pad(x, [(0, size - t)] + [(0, 0)] * (x.ndim - 1))  # [t, ...] -> [S, ...]
         return pad(selected.astype(jnp.int32)), pad(active), pad(beta), pad(c_v)
 
-    def nothing_kept(shape):  # selected, active, beta [*shape] and c_v [*shape, H] of heads that keep no key
-        return (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.float32),
-                jnp.zeros(shape + (H,), jnp.float32))
+    def nothing_kept(args):  # a head whose count is 0
+        return (jnp.zeros((size,), jnp.int32), jnp.zeros((size,), bool), jnp.zeros((size,), jnp.float32),
+                jnp.zeros((size, H), jnp.float32))
 
-    if size == 0:
-        return nothing_kept((L, B, K, 0))
+    sizes = fit_sizes(size)  # descending
+    branches = [nothing_kept] + [functools.partial(fit_one, s) for s in sizes]
+
+    def fit_at_its_size(args):  # branch i >= 1 fits at sizes[i - 1], the smallest that holds the count
+        count = args[6]
+        branch = jnp.where(count > 0, jnp.sum(jnp.asarray(sizes) >= count), 0)
+        return jax.lax.switch(branch, branches, args)
+
     rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
-    flat_counts = counts.reshape(-1)  # [L B K]
-    inputs = (heads(q), heads(query_valid), heads(k), heads(v), heads(bias), heads(key_valid), flat_counts,
+    inputs = (heads(q), heads(query_valid), heads(k), heads(v), heads(bias), heads(key_valid), counts.reshape(-1),
               rank_heads)
-    order = jnp.argsort(-flat_counts, stable=True)  # heads by count, the largest first
-    parts, start = [], 0
-    for tier_heads, tier_size in fit_tiers(size, total, L * B * K):
-        chosen = order[start:start + tier_heads]
-        start += tier_heads
-        if tier_size == 0:
-            parts.append(nothing_kept((tier_heads, size)))
-            continue
-        parts.append(jax.lax.map(functools.partial(fit_one, tier_size), tuple(x[chosen] for x in inputs),
-                                 batch_size=config.fit_batch))
-    back = jnp.argsort(order)  # the inverse permutation: head h's row in the tiers' concatenation
-    return tuple(jnp.concatenate(x)[back].reshape((L, B, K) + x[0].shape[1:]) for x in zip(*parts))
+    fitted = jax.lax.map(fit_at_its_size, inputs)  # a loop, not a vmap: each head runs its own branch only
+    return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
 
 def _written(cache: kv.KVCache, reread: scoring.RereadInputs, layers, fitted) -> kv.KVCache:
@@ -327,7 +317,7 @@ def _written(cache: kv.KVCache, reread: scoring.RereadInputs, layers, fitted) ->
 
 
 def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
-                       config: MatchingConfig, probes: Probes | None, counts, size: int, total: int):
+                       config: MatchingConfig, probes: Probes | None, counts, size: int):
     """Layer-sequential compaction: the reference passes run layer by layer, and layer l's queries (and KVzip
     scores) come from the residual stream of layers < l already compacted, so each layer is fitted to the queries it
     will see. Counts come from the full cache's pass (global budgets rank every layer at once). Called eagerly, each
@@ -340,7 +330,7 @@ def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scor
         if i in compacted:
             observed = [_observed_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid,
                                         QueryObserver(p.rows, p.scorer)) for x, p in zip(streams, passes)]
-            fitted = _fit_layer(cfg, config, size, total, cache.layers[i], reread, counts[i], [o[0] for o in observed],
+            fitted = _fit_layer(cfg, config, size, cache.layers[i], reread, counts[i], [o[0] for o in observed],
                                 [p.valid for p in passes], [o[1] for o, p in zip(observed, passes) if p.scorer])
             cache = _written(cache, reread, (i,), fitted)
         if i < cfg.num_layers - 1:
@@ -361,8 +351,8 @@ def _block(params, cfg: ModelConfig, index: int, x, positions, layer_cache, num_
     return apply_block(params, cfg, index, x, positions, layer_cache, num_new)[0]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, total: int, layer: kv.LayerCache, reread, counts,
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.LayerCache, reread, counts,
                captured, valid, scored):
     """_fit of one layer from its captured queries (per pass [B, K, G, R_i, H], valid [B, R_i]) and, for the kvzip
     selector, its per-chunk KVzip scores [B, K, m] -> fitted arrays with a leading layer axis of 1."""
@@ -374,7 +364,7 @@ def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, total: int, 
         rank = scoring.in_context_scores(jnp.concatenate(scored, axis=-1)[None], reread.context_len)
     elif config.selector == "hak":
         rank = _attention_scores(q, valid, k, bias, reread, cfg, config)
-    return _fit(q, valid, k, v, bias, reread, rank, counts[None], size, total, cfg, config)
+    return _fit(q, valid, k, v, bias, reread, rank, counts[None], size, cfg, config)
 
 
 @jax.jit
