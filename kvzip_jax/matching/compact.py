@@ -233,9 +233,9 @@ def _attention_scores(q, valid, k, bias, reread: scoring.RereadInputs, cfg: Mode
 def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
             config: MatchingConfig, selecting: bool):
     """(size, counts [L_all, B, K], attention): the most keys of one head (static; None: nothing to compact), every
-    layer's count (uncompacted layers count their whole
-    context), and HAK's per-key scores [L, B, K, n] of the compacted layers when the budgets rank them or, selecting,
-    the selector does (else None): computed once for both."""
+    layer's count (uncompacted layers count their whole context), and HAK's per-key scores [L, B, K, n] of the
+    compacted layers when the budgets rank them or, selecting, the selector does (else None): computed once for
+    both."""
     layers = scoring.evictable_layers(cfg)
     n = reread.chunk_size * reread.tokens.shape[0]
     full = jnp.broadcast_to(reread.context_len[None, :, None],
