@@ -11,15 +11,22 @@ am-hak-kb-cap0.75 (HAK's keys, budgets ranked by KVzip's scores instead of the r
 am-hak-kb-cap0.4 and am-hak-kb-cap0.2 (the same, a head keeping at most 0.4 or 0.2 of its keys instead of 0.75),
 kvzip-am-cap1 (KVzip's own top-k with no head cap: KVzip's kept pairs, the AM fit), am-hak-cap1 (the default
 budgets, ranked by the reference queries' attention, with no head cap). The product's methods am-hak, kvzip-am and
-am-hak-kb (HAK's keys in KVzip's uncapped budgets) run beside them. The report is the sweep's (summary.md,
-scores.png in --out).
+am-hak-kb (HAK's keys in KVzip's uncapped budgets) run beside them. Not run by default, the earlier default caps
+(4x a head's uniform count) as fractions: kvzip-am-op-cap0.4 / -cap0.2 / -cap0.08 (for ratios 0.1 / 0.05 / 0.02),
+kvzip-am-cap0.08 and am-hak-op-cap0.08. The report is the sweep's (summary.md, scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
 against none: its am-hak-cap20 / kvzip-am-cap20), am-budgets-640 (ratios 0.1 and 0.05: its am-hak is
 am-hak-kb-cap0.75 here, its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap variants),
 am-quality-cap (the 48 questions at 0.3: `--tasks '' --jsonl bench/results/quality.jsonl --methods
-kvzip,kvzip-am-cap1,am-hak-kb,am-hak-cap1 --ratios 1,0.3`; its am-hak-kb-cap1 is today's am-hak-kb).
+kvzip,kvzip-am-cap1,am-hak-kb,am-hak-cap1 --ratios 1,0.3`; its am-hak-kb-cap1 is today's am-hak-kb), am-op-seed0
+(kvzip-am-op re-measured on the seed-0 contexts: `--tasks multi_needle`, then `--tasks passkey,niah`, `--methods
+kvzip,kvzip-am-op-cap0.08 --ratios 1,0.02`; `--tasks multi_needle,passkey,niah --methods kvzip-am-op-cap0.2 --ratios
+1,0.05`; `--methods kvzip-am-op-cap0.4 --ratios 1,0.1`; `--contexts 2 --methods kvzip-am,kvzip-am-op --ratios
+1,0.3,0.1`), am-cap0.08-seed1 (`--seed 1 --tasks
+multi_needle,passkey,niah --methods kvzip,kvzip-am-op-cap0.08,kvzip-am-cap0.08,am-hak-op-cap0.08 --ratios 1,0.02`,
+stopped during passkey).
 """
 
 from __future__ import annotations
@@ -43,6 +50,13 @@ VARIANTS = {
     "kvzip-am-cap1": dict(matching.METHODS["kvzip-am"], head_cap=1.0),
     "am-hak-cap1": dict(selector="hak", head_cap=1.0),
 }
+CAP_4X = {  # the earlier default, a head capped at 4x its uniform count, as a fraction at ratios 0.1, 0.05, 0.02
+    "kvzip-am-op-cap0.4": dict(matching.METHODS["kvzip-am-op"], head_cap=0.4),
+    "kvzip-am-op-cap0.2": dict(matching.METHODS["kvzip-am-op"], head_cap=0.2),
+    "kvzip-am-op-cap0.08": dict(matching.METHODS["kvzip-am-op"], head_cap=0.08),
+    "kvzip-am-cap0.08": dict(matching.METHODS["kvzip-am"], head_cap=0.08),
+    "am-hak-op-cap0.08": dict(matching.METHODS["am-hak-op"], head_cap=0.08),
+}
 
 
 def main() -> int:
@@ -53,14 +67,15 @@ def main() -> int:
     parser.add_argument("--ratios", default="1,0.1,0.05")
     parser.add_argument("--contexts", default="6")
     parser.add_argument("--context-tokens", default="640")
+    parser.add_argument("--seed", default="0", help="the generated tasks' seed (1: the held-out contexts)")
     parser.add_argument("--out", default="runs/am-ablation")
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     args = parser.parse_args()
-    matching.METHODS.update(VARIANTS)  # method name -> MatchingConfig choices, as the product's own methods
-    sweep.METHODS = sweep.METHODS + tuple(VARIANTS)
+    matching.METHODS.update({**VARIANTS, **CAP_4X})  # method name -> MatchingConfig choices, as the product's own
+    sweep.METHODS = sweep.METHODS + tuple(VARIANTS) + tuple(CAP_4X)
     return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
                      "--context-tokens", args.context_tokens, "--batch-size", "8", "--methods", args.methods,
-                     "--ratios", args.ratios, "--no-progress", "--out", args.out]
+                     "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
                     + (["--jsonl", args.jsonl] if args.jsonl else []))
 
 
