@@ -24,9 +24,8 @@ kvzip,kvzip-am-cap1,am-hak-kb,am-hak-cap1 --ratios 1,0.3`; its am-hak-kb-cap1 is
 (kvzip-am-op re-measured on the seed-0 contexts: `--tasks multi_needle`, then `--tasks passkey,niah`, `--methods
 kvzip,kvzip-am-op-cap0.08 --ratios 1,0.02`; `--tasks multi_needle,passkey,niah --methods kvzip-am-op-cap0.2 --ratios
 1,0.05`; `--methods kvzip-am-op-cap0.4 --ratios 1,0.1`; `--contexts 2 --methods kvzip-am,kvzip-am-op --ratios
-1,0.3,0.1`), am-cap0.08-seed1 (`--seed 1 --tasks
-multi_needle,passkey,niah --methods kvzip,kvzip-am-op-cap0.08,kvzip-am-cap0.08,am-hak-op-cap0.08 --ratios 1,0.02`,
-stopped during passkey).
+1,0.3,0.1`), am-cap0.08-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
+kvzip,kvzip-am-op-cap0.08,kvzip-am-cap0.08,am-hak-op-cap0.08 --ratios 1,0.02`, stopped during passkey).
 """
 
 from __future__ import annotations
