@@ -39,8 +39,7 @@ def main() -> None:
     cache = kv.init_cache(cfg, 1, sweep.capacity_for(items), jnp.float32)
     _, cache = gen.prefill(params, cfg, [c.ids() for c in batch.contexts], cache)
     prefix_len = np.array([c.context_start for c in batch.contexts], np.int32)
-    reread = kvzip.reread_inputs(model.tokenizer, prefix_len, [c.ids()[c.context_slice] for c in batch.contexts],
-                                 2048)
+    reread = kvzip.reread_inputs(model.tokenizer, prefix_len, [c.ids()[c.context_slice] for c in batch.contexts])
     on = matching.method_config("kvzip-am-op", args.ratio)
     off = dataclasses.replace(on, on_policy=False)
     queries = matching.reference_queries(params, cfg, cache, reread, on.sources, on.query_cap, True)
