@@ -232,7 +232,7 @@ def _compress(args: argparse.Namespace) -> int:
 
     from kvzip_jax import cache as kv
     from kvzip_jax import generate as gen
-    from kvzip_jax import prompts
+    from kvzip_jax import matching, prompts
     from kvzip_jax.kvzip.budget import check_ratio
     from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
     from kvzip_jax.sharding import memory
@@ -266,6 +266,8 @@ def _compress(args: argparse.Namespace) -> int:
     model = _load(args)
     print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
+    if args.method in matching.METHODS:  # a missing budget profile named before the prefill
+        matching.method_config(args.method, args.ratio, model.name)
     context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [],
                                                 instruction=prompts.named_instruction(args.instruction))
     # What the cache, the scores and a chunk's work need beside the loaded params: MemoryPlanError before allocating.
@@ -535,7 +537,7 @@ def _evict(args: argparse.Namespace, model, cache, context, head_scores):
         if args.self_study:
             probes = matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache)
             sources = ("repeat", "self-study")
-        config = matching.method_config(args.method, args.ratio, sources=sources)
+        config = matching.method_config(args.method, args.ratio, model.name, sources=sources)
         compact = matching.compact if config.on_policy else jax.jit(matching.compact)  # on-policy: jitted per layer
         compacted, _ = compact(model.params, model.cfg, cache, reread, config, probes)
         if args.ratio >= 1.0:

@@ -323,3 +323,25 @@ def test_self_study_turns_join_the_attention_matching_fit(model, tmp_path):
         sw.run_sweep(model, examples(), config, studied, progress=False)
     with pytest.raises(ValueError, match="self_study"):
         sw.SweepConfig(methods=("kvzip",), self_study=True)
+
+
+def test_a_profile_method_needs_the_models_searched_budgets(model, tmp_path, monkeypatch):
+    """am-hak-pb takes the model's budget profile: none for this model fails before any work, naming the search;
+    with one it sweeps, every answer recorded with a finite KL."""
+    from kvzip_jax import matching
+    from kvzip_jax.matching import budgets
+
+    config = sw.SweepConfig(methods=("am-hak-pb",), ratios=(0.2,), batch_size=3)
+    path = tmp_path / "results.jsonl"
+    monkeypatch.setattr(budgets, "PROFILE_DIR", tmp_path / "profiles")
+    with pytest.raises(matching.BudgetProfileError, match="budget_search.py --model tiny"):
+        sw.run_sweep(model, examples(), config, path, progress=False)
+    assert not path.exists()
+    L, K = model.cfg.num_layers, model.cfg.num_kv_heads
+    budgets.PROFILE_DIR.mkdir()
+    (budgets.PROFILE_DIR / "tiny.json").write_text(json.dumps({"profile": [[1.0 + (i + k) % 3 for k in range(K)]
+                                                                           for i in range(L)]}))
+    sw.run_sweep(model, examples(), config, path, progress=False)
+    got = [r for r in _by_key(path).values() if r["method"] == "am-hak-pb"]
+    assert len(got) == sum(len(ex.questions) for ex in examples())
+    assert np.isfinite([r["kl"] for r in got]).all()

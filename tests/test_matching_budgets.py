@@ -72,3 +72,61 @@ def test_fit_sizes_hold_every_count_with_little_padding():
         for count in range(1, size + 1):
             fitted_at = min(s for s in sizes if s >= count)
             assert fitted_at <= max(MIN_FIT_SIZE, count) * 1.42
+
+
+@pytest.mark.parametrize("ratio", [0.02, 0.1, 0.3])
+def test_profile_counts_follow_the_shares(ratio):
+    """Profile budgets: exact totals, a zero share keeps nothing, and (no cap reached) every head within one key of
+    its share of the row's budget; at 0.3 the cap binds and the excess goes to the other heads."""
+    L, B, K, n = 3, 2, 2, 400
+    lens = np.array([400, 257])
+    shares = np.array([[0.4, 0.0], [0.05, 0.25], [0.1, 0.2]])
+    scores = matching.budgets.profile_scores(jnp.asarray(shares, jnp.float32), jnp.asarray(lens), n)
+    counts = np.asarray(head_counts(ratio, jnp.asarray(lens), (L, B, K, n), "profile", scores, 0.75))
+    totals = np.asarray(kept_count(ratio, L * K * lens))
+    np.testing.assert_array_equal(counts.sum(axis=(0, 2)), totals)
+    assert (counts[0, :, 1] == 0).all()
+    caps = np.asarray(head_caps(ratio, 0.75, jnp.asarray(lens)))
+    assert (counts <= caps[None, :, None]).all()
+    want = shares[:, None, :] * totals[None, :, None]  # [L, B, K]
+    if (want <= caps[None, :, None]).all():
+        assert np.abs(counts - want).max() <= 1
+    else:
+        capped = want > caps[None, :, None]
+        assert (counts[capped] == np.broadcast_to(caps[None, :, None], counts.shape)[capped]).all()
+        assert (counts[~capped & (want > 0)] >= np.floor(want[~capped & (want > 0)])).all()
+
+
+def test_profile_errors():
+    from kvzip_jax.matching.budgets import BudgetProfileError, check_profile, load_profile
+
+    with pytest.raises(BudgetProfileError, match="go together"):
+        matching.MatchingConfig(budget="profile")
+    with pytest.raises(BudgetProfileError, match="go together"):
+        matching.MatchingConfig(budget="global", profile=((1.0,),))
+    with pytest.raises(BudgetProfileError, match="2 rows"):
+        check_profile(((1.0, 1.0),), 2, 2)
+    for bad in (((1.0, -0.1),), ((0.0, 0.0),), ((float("nan"), 1.0),)):
+        with pytest.raises(BudgetProfileError, match="finite"):
+            check_profile(bad, 1, 2)
+    with pytest.raises(BudgetProfileError, match="budget_search.py --model no-such-model"):
+        load_profile("no-such-model")
+    with pytest.raises(BudgetProfileError, match="model's name"):
+        matching.method_config("am-hak-pb", 0.1)
+
+
+def test_shipped_profiles_are_well_formed():
+    """Every profile in the package: shaped for its model's compacted layers and KV heads, shares summing to 1, and
+    am-hak-pb loads it by the model's name."""
+    import json
+
+    from kvzip_jax.matching.budgets import PROFILE_DIR, check_profile
+
+    files = sorted(PROFILE_DIR.glob("*.json"))
+    assert files, f"no budget profile in {PROFILE_DIR}"
+    for path in files:
+        data = json.loads(path.read_text())
+        check_profile(data["profile"], len(data["layers"]), data["kv_heads"])
+        assert abs(sum(map(sum, data["profile"])) - 1) < 1e-4
+        config = matching.method_config("am-hak-pb", 0.05, path.stem)
+        assert config.budget == "profile" and np.allclose(config.profile, data["profile"])

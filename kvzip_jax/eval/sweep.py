@@ -324,7 +324,8 @@ class Sweep:
                             continue
                         start = time.perf_counter()
                         if method in matching.METHODS:
-                            config = matching.method_config(method, float(ratio), sources=shared.sources)
+                            config = matching.method_config(method, float(ratio), self.model.name,
+                                                            sources=shared.sources)
                             if config.on_policy:  # eagerly: its per-layer steps are jitted (matching.compact)
                                 masked, _ = matching.compact(self.params, self.model.cfg, cache, shared.reread(),
                                                              config, shared.probes(), queries=shared.queries())
@@ -424,6 +425,8 @@ def run_sweep(model, examples: Sequence[Example], config: SweepConfig, results_p
     mesh = mesh or sharding.data_mesh()
     if len({d.process_index for d in mesh.devices.flat}) > 1:
         _check_lockstep(results)
+    for method in set(config.methods) & set(matching.METHODS):  # a missing budget profile named before any work
+        matching.method_config(method, 1.0, model.name)
     items = prepare(model.tokenizer, examples, config.instruction)
     capacity = capacity_for(items)  # the whole sweep's, whatever the share
     groups = share_of(groups_of(items, config.batch_size), index, count)

@@ -5,12 +5,12 @@
 
 Modules: queries (reference queries: repeat, context, self-study), self_study (the turns the model writes about a
 context, for the self-study source), select (Highest-Attention-Keys, Orthogonal Matching Pursuit), fit (NNLS biases,
-least-squares values, one KV head), refine (optax steps from the closed form), budgets (uniform or global per-head
-counts), compact (the whole cache; on-policy: layer by layer).
+least-squares values, one KV head), refine (optax steps from the closed form), budgets (uniform, global or
+searched-profile per-head counts), compact (the whole cache; on-policy: layer by layer).
 """
 
 from kvzip_jax.matching import self_study
-from kvzip_jax.matching.budgets import BUDGETS, head_counts
+from kvzip_jax.matching.budgets import BUDGETS, BudgetProfileError, head_counts, load_profile
 from kvzip_jax.matching.compact import (
     METHODS,
     SELECTORS,
@@ -30,7 +30,8 @@ from kvzip_jax.matching.select import (
     orthogonal_matching_pursuit,
 )
 
-__all__ = ["AGGREGATIONS", "BUDGETS", "METHODS", "SELECTORS", "SOURCES", "MatchingConfig", "Probes",
-           "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with", "effective_ratio",
-           "fit_head", "head_counts", "highest_attention_keys", "method_config", "mixture", "nnls_box",
-           "matching_loss", "orthogonal_matching_pursuit", "reference_queries", "refine_head", "self_study"]
+__all__ = ["AGGREGATIONS", "BUDGETS", "METHODS", "SELECTORS", "SOURCES", "BudgetProfileError", "MatchingConfig",
+           "Probes", "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with",
+           "effective_ratio", "fit_head", "head_counts", "highest_attention_keys", "load_profile", "method_config",
+           "mixture", "nnls_box", "matching_loss", "orthogonal_matching_pursuit", "reference_queries", "refine_head",
+           "self_study"]

@@ -8,6 +8,10 @@
             paper, a head keeps at most `head_cap` (0.75) of its context keys, and never less than one above its
             uniform count (so the row's budget always fits); the cap of the longest row fixes the static size of
             the fit. Which score and cap decide the KL at 20x (README, Attention Matching against KVzip).
+  profile   each head a fixed share of the row's budget, searched offline per model as the paper's are
+            (bench/budget_search.py, stored in kvzip_jax/data/head_budgets/<model>.json): the global top-k over
+            scores share / (rank + 1/2), so the counts are proportional to the shares, exact in total, and capped at
+            `head_cap` as global budgets are (the excess goes to the other heads in proportion).
 Counts are exact integers (kvzip.budget.kept_count); a ratio applies to the context pairs of the compacted layers.
 
 Fitting every head at the static size of the largest wastes most of the work when budgets are uneven (at 0.1 the
@@ -20,16 +24,61 @@ Einsum legend: L compacted layers, B batch, K KV heads, n context columns.
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+from kvzip_jax.errors import KvzipError
 from kvzip_jax.kvzip.budget import RATIO_UNITS, kept_count, top_counts
 
-BUDGETS = ("uniform", "global")
+BUDGETS = ("uniform", "global", "profile")
+PROFILE_DIR = Path(__file__).parents[1] / "data" / "head_budgets"
+PROFILE_UNIT = 0.01  # the searched budgets' step, as a fraction of a head's keys
 FIT_STEP = 2 ** 0.5  # each fit size is the one above over sqrt(2)
 MIN_FIT_SIZE = 32
+
+
+class BudgetProfileError(KvzipError, ValueError):
+    """A budget profile that is missing, unreadable or not shaped for the model."""
+
+
+def profile_file(model: str) -> Path:
+    """Where a model's searched budget profile lives (package data)."""
+    return PROFILE_DIR / f"{model}.json"
+
+
+def load_profile(model: str) -> tuple[tuple[float, ...], ...]:
+    """A model's searched shares, one row per compacted layer, one share per KV head (MatchingConfig.profile)."""
+    path = profile_file(model)
+    if not path.is_file():
+        raise BudgetProfileError(f"no budget profile for {model} at {path}; search one with: "
+                                 f"python bench/budget_search.py --model {model}")
+    try:
+        return tuple(tuple(float(share) for share in row) for row in json.loads(path.read_text())["profile"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise BudgetProfileError(f"{path} is not a budget profile ({type(e).__name__}: {e})") from None
+
+
+def check_profile(profile, layers: int, kv_heads: int) -> None:
+    """BudgetProfileError unless profile is [layers][kv_heads] finite shares >= 0, some positive."""
+    shares = [list(row) for row in profile]
+    if len(shares) != layers or any(len(row) != kv_heads for row in shares):
+        raise BudgetProfileError(f"a budget profile needs {layers} rows (compacted layers) of {kv_heads} shares "
+                                 f"(KV heads), got {[len(row) for row in shares]}")
+    flat = [share for row in shares for share in row]
+    if not all(math.isfinite(share) and share >= 0 for share in flat) or not sum(flat) > 0:
+        raise BudgetProfileError("budget profile shares must be finite, >= 0, and not all 0")
+
+
+def profile_scores(shares: jax.Array, context_len: jax.Array, n: int) -> jax.Array:
+    """[L, B, K, n] per-key scores share / (rank + 1/2) (-inf past a row's context) for shares [L, K]: a global
+    top-k over them keeps per head a count proportional to its share."""
+    scores = shares[:, None, :, None] / (jnp.arange(n) + 0.5)  # [L, 1, K, n]
+    in_context = jnp.arange(n) < context_len[:, None]  # [B, n]
+    return jnp.where(in_context[None, :, None, :], scores, -jnp.inf)
 
 
 def _host_count(ratio: float, n: int) -> int:
@@ -61,11 +110,12 @@ def head_caps(ratio: float, head_cap: float, context_len: jax.Array) -> jax.Arra
 def head_counts(ratio: float, context_len: jax.Array, shape: tuple[int, int, int, int], budget: str,
                 scores: jax.Array | None = None, head_cap: float = 0.75) -> jax.Array:
     """counts [L, B, K] int32 for context_len [B] and (L, B, K, n) = shape. global: scores [L, B, K, n] (-inf past a
-    row's context), a head keeping at most head_caps(ratio, head_cap, context_len) of them."""
+    row's context), a head keeping at most head_caps(ratio, head_cap, context_len) of them; profile: the same, with
+    scores = profile_scores(shares, context_len, n)."""
     L, B, K, n = shape
     if budget == "uniform":
         return jnp.broadcast_to(kept_count(ratio, context_len)[None, :, None], (L, B, K)).astype(jnp.int32)
-    if budget != "global":
+    if budget not in ("global", "profile"):
         raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
     caps = jnp.broadcast_to(head_caps(ratio, head_cap, context_len)[None, :, None], (L, B, K))
     capped = top_counts(scores, caps)  # [L, B, K, n] each head's best, up to its cap

@@ -13,11 +13,11 @@ Never compacted: the prefix before the context, anything after it, and sliding-w
 compacted before (dense, with a bias: kv.defragment of a compacted cache, as online.py makes) compacts again: every
 score and fit counts the bias its keys already carry, and a kept key's new bias includes it.
 
-Budgets (budgets.py) are uniform or global. `same_bytes` (default) counts the bias' 4 bytes per kept pair: a ratio
-keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at H = 64 in float32),
-so the compacted context pairs take about the bytes of the evicted ones at the same ratio (to within the rounding of
-two integer budgets). The bias is stored per slot of a compacted layer, so the never-compacted prefix and the tokens
-after the context pay its 4 bytes too (cache.used_bytes counts them).
+Budgets (budgets.py) are uniform, global, or a model's searched profile. `same_bytes` (default) counts the bias' 4 bytes
+per kept pair: a ratio keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at
+H = 64 in float32), so the compacted context pairs take about the bytes of the evicted ones at the same ratio (to within
+the rounding of two integer budgets). The bias is stored per slot of a compacted layer, so the never-compacted prefix
+and the tokens after the context pay its 4 bytes too (cache.used_bytes counts them).
 
 `compact` runs the reference pass and the fit; a sweep runs `reference_queries` once per context and
 `compact_with` per ratio and method.
@@ -39,7 +39,16 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import check_ratio
-from kvzip_jax.matching.budgets import BUDGETS, fit_sizes, head_counts, static_count
+from kvzip_jax.matching.budgets import (
+    BUDGETS,
+    BudgetProfileError,
+    check_profile,
+    fit_sizes,
+    head_counts,
+    load_profile,
+    profile_scores,
+    static_count,
+)
 from kvzip_jax.matching.fit import RIDGE, fit_head
 from kvzip_jax.matching.queries import (
     SOURCES,
@@ -59,10 +68,11 @@ BUDGET_SCORES = ("kvzip", "attention")
 # method name -> its MatchingConfig choices; "-op": on-policy (layer-sequential) compaction. kvzip-am is KVzip's
 # selection and budgets with the AM fit; am-hak-kb is HAK's keys within KVzip's own per-head budgets (no head cap:
 # what KVzip's pair-level top-k keeps per head), the variant that holds at mild ratios (README); the others take
-# budgets from the reference queries' attention.
+# budgets from the reference queries' attention; am-hak-pb takes the model's searched budget profile (budgets.py).
 KVZIP_AM = dict(selector="kvzip", budget_scores="kvzip")
 METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": KVZIP_AM,
            "am-hak-kb": dict(selector="hak", budget_scores="kvzip", head_cap=1.0),
+           "am-hak-pb": dict(selector="hak", budget="profile"),
            "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(KVZIP_AM, on_policy=True)}
 BIAS_BYTES = 4  # a float32 beta per kept pair
 
@@ -73,9 +83,10 @@ class MatchingConfig:
     """Static choices of a compaction (hashable: jit needs no extra arguments; the ratio sets shapes, so it lives here).
 
     ratio: fraction of context pairs kept, in (0, 1]. selector: hak | omp | kvzip. aggregate: HAK's aggregation over
-    queries (rms | max | mean). budget: uniform | global; budget_scores: what global budgets rank (KVzip's scores,
-    or the reference queries' aggregated attention); head_cap: under global budgets a head keeps at most this fraction
-    of its context keys (the paper's 0.75; budgets.head_caps).
+    queries (rms | max | mean). budget: uniform | global | profile; budget_scores: what global budgets rank (KVzip's
+    scores, or the reference queries' aggregated attention); head_cap: under global and profile budgets a head keeps
+    at most this fraction of its context keys (the paper's 0.75; budgets.head_caps); profile: the profile budget's
+    shares, one row per compacted layer of one share per KV head (budgets.load_profile).
     sources: reference query sources (queries.SOURCES); query_cap: most reference rows per KV head and layer.
     omp_step, omp_refit: OMP's keys per step and steps per refit (1, 1: exact; 4, 2: AM-OMP-fast).
     on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
@@ -92,6 +103,7 @@ class MatchingConfig:
     budget: str = "global"
     budget_scores: str = "attention"
     head_cap: float = 0.75
+    profile: tuple[tuple[float, ...], ...] | None = None
     sources: tuple[str, ...] = ("repeat",)
     query_cap: int = 8192
     omp_step: int = 1
@@ -113,6 +125,8 @@ class MatchingConfig:
             raise ValueError(f"sources must be among {SOURCES}, got {self.sources}")
         if not 0 < self.head_cap <= 1:
             raise ValueError(f"head_cap is a fraction of a head's keys, in (0, 1], got {self.head_cap}")
+        if (self.budget == "profile") != (self.profile is not None):
+            raise BudgetProfileError("budget 'profile' and a profile go together (budgets.load_profile)")
         if self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1:
             raise ValueError("query_cap, omp_step and omp_refit must be >= 1")
         if self.refine_steps < 0:
@@ -136,11 +150,17 @@ class MatchingConfig:
         return (1e-12, OMP_UPPER, 0) if self.selector == "omp" else (math.exp(-3.0), math.exp(3.0), 2)
 
 
-def method_config(method: str, ratio: float, **choices) -> MatchingConfig:
-    """The MatchingConfig of a named method (METHODS) at a ratio."""
+def method_config(method: str, ratio: float, model: str | None = None, **choices) -> MatchingConfig:
+    """The MatchingConfig of a named method (METHODS) at a ratio; model: the model's name, whose budget profile a
+    profile method loads (budgets.load_profile) unless choices give one."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-    return MatchingConfig(ratio=ratio, **{**METHODS[method], **choices})
+    choices = {**METHODS[method], **choices}
+    if choices.get("budget") == "profile" and "profile" not in choices:
+        if model is None:
+            raise BudgetProfileError(f"{method} takes the model's budget profile: give the model's name")
+        choices["profile"] = load_profile(model)
+    return MatchingConfig(ratio=ratio, **choices)
 
 
 def effective_ratio(config: MatchingConfig, cache: kv.KVCache) -> float:
@@ -254,6 +274,9 @@ def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCach
     scores = None
     if config.budget == "global":
         scores = attention if global_by_attention else queries.kvzip_scores[jnp.asarray(layers)][..., :n]
+    elif config.budget == "profile":
+        check_profile(config.profile, len(layers), shape[2])
+        scores = profile_scores(jnp.asarray(config.profile, jnp.float32), reread.context_len, n)
     counts = head_counts(ratio, reread.context_len, shape, config.budget, scores, config.head_cap)  # [L, B, K]
     return size, full.at[jnp.asarray(layers)].set(counts), attention
 
