@@ -11,7 +11,8 @@
   profile   each head a fixed share of the row's budget, searched offline per model as the paper's are
             (bench/budget_search.py, stored in kvzip_jax/data/head_budgets/<model>.json): the global top-k over
             scores share / (rank + 1/2), so the counts are proportional to the shares, exact in total, and capped at
-            `head_cap` as global budgets are (the excess goes to the other heads in proportion).
+            `head_cap` as global budgets are (the excess goes to the other heads in proportion to their shares, and
+            to heads of share 0 only once the others are full).
 Counts are exact integers (kvzip.budget.kept_count); a ratio applies to the context pairs of the compacted layers.
 
 Fitting every head at the static size of the largest wastes most of the work when budgets are uneven (at 0.1 the
