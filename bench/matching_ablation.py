@@ -13,7 +13,10 @@ kvzip-am-cap1 (KVzip's own top-k with no head cap: KVzip's kept pairs, the AM fi
 budgets, ranked by the reference queries' attention, with no head cap). The product's methods am-hak, kvzip-am and
 am-hak-kb (HAK's keys in KVzip's uncapped budgets) run beside them. Not run by default, the earlier default caps
 (4x a head's uniform count) as fractions: kvzip-am-op-cap0.4 / -cap0.2 / -cap0.08 (for ratios 0.1 / 0.05 / 0.02),
-kvzip-am-cap0.08 and am-hak-op-cap0.08. The report is the sweep's (summary.md, scores.png in --out).
+kvzip-am-cap0.08 and am-hak-op-cap0.08; and KVzip's own kept pairs (kvzip-am-cap1's) under parts of the fit:
+kvzip-am-cap1-r1e-2 / -r1e-1 / -r1 / -r10 / -r1e4 (value_ridge 0.01 to 1e4: from the least-squares values to the kept
+ones), kvzip-am-cap1-nb (beta = 0, values fitted) and kvzip-am-cap1-nb-r1e4 (beta = 0, the kept values: KVzip's
+eviction, less the pairs a bias' bytes would pay for). The report is the sweep's (summary.md, scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
@@ -25,7 +28,12 @@ kvzip,kvzip-am-cap1,am-hak-kb,am-hak-cap1 --ratios 1,0.3`; its am-hak-kb-cap1 is
 kvzip,kvzip-am-op-cap0.08 --ratios 1,0.02`; `--tasks multi_needle,passkey,niah --methods kvzip-am-op-cap0.2 --ratios
 1,0.05`; `--methods kvzip-am-op-cap0.4 --ratios 1,0.1`; `--contexts 2 --methods kvzip-am,kvzip-am-op --ratios
 1,0.3,0.1`), am-cap0.08-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
-kvzip,kvzip-am-op-cap0.08,kvzip-am-cap0.08,am-hak-op-cap0.08 --ratios 1,0.02`, stopped during passkey).
+kvzip,kvzip-am-op-cap0.08,kvzip-am-cap0.08,am-hak-op-cap0.08 --ratios 1,0.02`, stopped during passkey),
+am-fit-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
+kvzip,kvzip-am-cap1,kvzip-am-cap1-r1e4,kvzip-am-cap1-nb,kvzip-am-cap1-nb-r1e4 --ratios 1,0.02`, then `--methods
+kvzip,kvzip-am-cap1-r1e-2,kvzip-am-cap1-r1e-1,kvzip-am-cap1-r1,kvzip-am-cap1-r10`, the same flags otherwise),
+am-fit-seed0 (`--tasks multi_needle,passkey,niah --methods kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,kvzip-am-cap1-r1e4
+--ratios 1,0.05,0.02`).
 """
 
 from __future__ import annotations
@@ -49,6 +57,12 @@ VARIANTS = {
     "kvzip-am-cap1": dict(matching.METHODS["kvzip-am"], head_cap=1.0),
     "am-hak-cap1": dict(selector="hak", head_cap=1.0),
 }
+KVZIP_PAIRS_FIT = {  # KVzip's own kept pairs (its keys, its uncapped budgets) under parts of the fit, for 0.02
+    **{f"kvzip-am-cap1-r{r}": dict(VARIANTS["kvzip-am-cap1"], value_ridge=float(r))
+       for r in ("1e-2", "1e-1", "1", "10", "1e4")},
+    "kvzip-am-cap1-nb": dict(VARIANTS["kvzip-am-cap1"], fit_bias=False),
+    "kvzip-am-cap1-nb-r1e4": dict(VARIANTS["kvzip-am-cap1"], fit_bias=False, value_ridge=1e4),
+}
 CAP_4X = {  # the earlier default, a head capped at 4x its uniform count, as a fraction at ratios 0.1, 0.05, 0.02
     "kvzip-am-op-cap0.4": dict(matching.METHODS["kvzip-am-op"], head_cap=0.4),
     "kvzip-am-op-cap0.2": dict(matching.METHODS["kvzip-am-op"], head_cap=0.2),
@@ -70,8 +84,9 @@ def main() -> int:
     parser.add_argument("--out", default="runs/am-ablation")
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     args = parser.parse_args()
-    matching.METHODS.update({**VARIANTS, **CAP_4X})  # method name -> MatchingConfig choices, as the product's own
-    sweep.METHODS = sweep.METHODS + tuple(VARIANTS) + tuple(CAP_4X)
+    extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT}
+    matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
+    sweep.METHODS = sweep.METHODS + tuple(extra)
     return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
                      "--context-tokens", args.context_tokens, "--batch-size", "8", "--methods", args.methods,
                      "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
