@@ -16,10 +16,10 @@ am-hak-kb (HAK's keys in KVzip's uncapped budgets) run beside them. Not run by d
 kvzip-am-cap0.08 and am-hak-op-cap0.08; and KVzip's own kept pairs (kvzip-am-cap1's) under parts of the fit:
 kvzip-am-cap1-r1e-2 / -r1e-1 / -r1 / -r10 / -r1e4 (value_ridge 0.01 to 1e4: from the least-squares values to the kept
 ones), kvzip-am-cap1-nb (beta = 0, values fitted) and kvzip-am-cap1-nb-r1e4 (beta = 0, the kept values: KVzip's
-eviction, less the pairs a bias' bytes would pay for). --fit-self-study-only fits every AM method to the queries of
-the self-study turns (matching.self_study) alone, in place of the reread's (KVzip's scores still come from the reread,
-so it is meant for the kvzip-am-cap1 variants, whose keys and budgets are KVzip's). The report is the sweep's
-(summary.md, scores.png in --out).
+eviction, less the pairs a bias' bytes would pay for). --fit-sources self-study (or context, ...) fits every AM
+method to the queries of those sources (matching.queries) in place of the reread's (KVzip's scores still come from
+the reread, so it is meant for the kvzip-am-cap1 variants, whose keys and budgets are KVzip's). The report is the
+sweep's (summary.md, scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
@@ -37,12 +37,14 @@ kvzip,kvzip-am-cap1,kvzip-am-cap1-r1e4,kvzip-am-cap1-nb,kvzip-am-cap1-nb-r1e4 --
 kvzip,kvzip-am-cap1-r1e-2,kvzip-am-cap1-r1e-1,kvzip-am-cap1-r1,kvzip-am-cap1-r10`, the same flags otherwise),
 am-fit-seed0 (`--tasks multi_needle,passkey,niah --methods kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,kvzip-am-cap1-r1e4
 --ratios 1,0.05,0.02`), am-ss-fit-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
-kvzip,kvzip-am-cap1,kvzip-am-cap1-r1 --ratios 1,0.02 --fit-self-study-only`).
+kvzip,kvzip-am-cap1,kvzip-am-cap1-r1 --ratios 1,0.02 --fit-sources self-study`; run as --fit-self-study-only, the
+same code before it took other sources), am-ctx-fit-002-seed1 (the same with `--fit-sources context`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 from kvzip_jax import cli, matching
@@ -87,12 +89,15 @@ def main() -> int:
     parser.add_argument("--seed", default="0", help="the generated tasks' seed (1: the held-out contexts)")
     parser.add_argument("--out", default="runs/am-ablation")
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
-    parser.add_argument("--fit-self-study-only", action="store_true",
-                        help="fit to the self-study turns' queries alone (KVzip's scores still from the reread): for "
-                             "methods whose keys and budgets come from KVzip's scores")
+    parser.add_argument("--fit-sources", help="the reference query sources the fit takes (comma-separated, among "
+                        f"{matching.SOURCES}; KVzip's scores still from the reread): for methods whose keys and "
+                        "budgets come from KVzip's scores")
     args = parser.parse_args()
-    if args.fit_self_study_only:
-        sweep._Shared.queries = _self_study_fit_queries
+    fit_sources = tuple(args.fit_sources.split(",")) if args.fit_sources else None
+    if fit_sources:
+        if set(fit_sources) - set(matching.SOURCES):
+            parser.error(f"--fit-sources must be among {matching.SOURCES}, got {args.fit_sources}")
+        sweep._Shared.queries = functools.partialmethod(_fit_queries, fit_sources)
     extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT}
     matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
     sweep.METHODS = sweep.METHODS + tuple(extra)
@@ -100,18 +105,18 @@ def main() -> int:
                      "--context-tokens", args.context_tokens, "--batch-size", "8", "--methods", args.methods,
                      "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
                     + (["--jsonl", args.jsonl] if args.jsonl else [])
-                    + (["--self-study"] if args.fit_self_study_only else []))
+                    + (["--self-study"] if fit_sources and "self-study" in fit_sources else []))
 
 
-def _self_study_fit_queries(shared) -> matching.ReferenceQueries:
-    """The sweep's shared reference queries with only the self-study probes' rows, and KVzip's scores from the
-    reread (in place of sweep._Shared.queries)."""
+def _fit_queries(shared, sources: tuple[str, ...]) -> matching.ReferenceQueries:
+    """The sweep's shared reference queries with the rows of `sources` only, and KVzip's scores from the reread (in
+    place of sweep._Shared.queries)."""
     if shared._queries is None:
         cap = matching.MatchingConfig().query_cap
         inputs = (shared._sweep.params, shared._sweep.model.cfg, shared._cache, shared.reread())
         scores = sweep._reference_queries(*inputs, ("repeat",), cap, with_scores=True).kvzip_scores
-        probe = sweep._reference_queries(*inputs, ("self-study",), cap, probes=shared.probes())
-        shared._queries = matching.ReferenceQueries(q=probe.q, valid=probe.valid, kvzip_scores=scores)
+        rows = sweep._reference_queries(*inputs, sources, cap, probes=shared.probes())
+        shared._queries = matching.ReferenceQueries(q=rows.q, valid=rows.valid, kvzip_scores=scores)
     return shared._queries
 
 
