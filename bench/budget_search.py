@@ -38,10 +38,11 @@ from kvzip_jax import generate as gen
 from kvzip_jax import matching
 from kvzip_jax.eval import sweep, tasks
 from kvzip_jax.kvzip.scoring import evictable_layers
-from kvzip_jax.matching.budgets import PROFILE_DIR, PROFILE_UNIT
+from kvzip_jax.matching.budgets import PROFILE_DIR
 from kvzip_jax.weights import registry
 
 TASKS = ("multi_needle", "niah", "passkey", "variable_tracking")
+PROFILE_UNIT = 0.01  # the searched budgets' step, as a fraction of a head's keys
 
 
 def hybrid(base: kv.KVCache, other: kv.KVCache | None, layer: int, head: int, prefix_len, context_len) -> kv.KVCache:

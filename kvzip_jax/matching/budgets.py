@@ -37,7 +37,6 @@ from kvzip_jax.kvzip.budget import RATIO_UNITS, kept_count, top_counts
 
 BUDGETS = ("uniform", "global", "profile")
 PROFILE_DIR = Path(__file__).parents[1] / "data" / "head_budgets"
-PROFILE_UNIT = 0.01  # the searched budgets' step, as a fraction of a head's keys
 FIT_STEP = 2 ** 0.5  # each fit size is the one above over sqrt(2)
 MIN_FIT_SIZE = 32
 
