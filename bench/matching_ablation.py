@@ -18,8 +18,10 @@ kvzip-am-cap1-r1e-2 / -r1e-1 / -r1 / -r10 / -r1e4 (value_ridge 0.01 to 1e4: from
 ones), kvzip-am-cap1-nb (beta = 0, values fitted) and kvzip-am-cap1-nb-r1e4 (beta = 0, the kept values: KVzip's
 eviction, less the pairs a bias' bytes would pay for). --fit-sources self-study (or context, ...) fits every AM
 method to the queries of those sources (matching.queries) in place of the reread's (KVzip's scores still come from
-the reread, so it is meant for the kvzip-am-cap1 variants, whose keys and budgets are KVzip's). The report is the
-sweep's (summary.md, scores.png in --out).
+the reread, so it is meant for the kvzip-am-cap1 variants, whose keys and budgets are KVzip's); --fit-sources
+oracle takes instead each question followed by the full cache's answer, teacher-forced on top of the cache: a
+query-aware upper bound for key selection, budgets and fit, not a method. The report is the sweep's (summary.md,
+scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
@@ -38,7 +40,9 @@ kvzip,kvzip-am-cap1-r1e-2,kvzip-am-cap1-r1e-1,kvzip-am-cap1-r1,kvzip-am-cap1-r10
 am-fit-seed0 (`--tasks multi_needle,passkey,niah --methods kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,kvzip-am-cap1-r1e4
 --ratios 1,0.05,0.02`), am-ss-fit-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
 kvzip,kvzip-am-cap1,kvzip-am-cap1-r1 --ratios 1,0.02 --fit-sources self-study`; run as --fit-self-study-only, the
-same code before it took other sources), am-ctx-fit-002-seed1 (the same with `--fit-sources context`).
+same code before it took other sources), am-ctx-fit-002-seed1 (the same with `--fit-sources context`),
+am-oracle-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
+kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,am-hak-cap1,am-hak-kb --ratios 1,0.02 --fit-sources oracle`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+
+import jax.numpy as jnp
+import numpy as np
 
 from kvzip_jax import cli, matching
 from kvzip_jax.eval import sweep
@@ -91,12 +98,18 @@ def main() -> int:
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     parser.add_argument("--fit-sources", help="the reference query sources the fit takes (comma-separated, among "
                         f"{matching.SOURCES}; KVzip's scores still from the reread): for methods whose keys and "
-                        "budgets come from KVzip's scores")
+                        "budgets come from KVzip's scores; oracle alone: the questions and the full cache's answers, "
+                        "teacher-forced on top of the cache, a query-aware upper bound)")
     args = parser.parse_args()
     fit_sources = tuple(args.fit_sources.split(",")) if args.fit_sources else None
+    oracle = fit_sources == ("oracle",)
+    if oracle:  # an upper bound: the fit (and HAK) sees the questions and the full answers
+        sweep.Sweep._full_answers = _keeping_oracle_probes(sweep.Sweep._full_answers)
+        sweep._Shared.probes = lambda shared: shared._sweep.oracle_probes
+        fit_sources = ("self-study",)  # the oracle probes go on top of the cache as self-study turns do
+    elif fit_sources and set(fit_sources) - set(matching.SOURCES):
+        parser.error(f"--fit-sources must be among {matching.SOURCES}, or oracle alone; got {args.fit_sources}")
     if fit_sources:
-        if set(fit_sources) - set(matching.SOURCES):
-            parser.error(f"--fit-sources must be among {matching.SOURCES}, got {args.fit_sources}")
         sweep._Shared.queries = functools.partialmethod(_fit_queries, fit_sources)
     extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT}
     matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
@@ -105,7 +118,27 @@ def main() -> int:
                      "--context-tokens", args.context_tokens, "--batch-size", "8", "--methods", args.methods,
                      "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
                     + (["--jsonl", args.jsonl] if args.jsonl else [])
-                    + (["--self-study"] if fit_sources and "self-study" in fit_sources else []))
+                    + (["--self-study"] if fit_sources and not oracle and "self-study" in fit_sources else []))
+
+
+def _keeping_oracle_probes(full_answers):
+    """Sweep._full_answers that also keeps, on the sweep, the batch's questions each followed by the full cache's
+    answer as matching.Probes (one per question), for an oracle fit: query-aware, an upper bound, not a method."""
+
+    def wrapped(self, batch, cache):
+        full = full_answers(self, batch, cache)
+        rows = [[np.concatenate([q, np.asarray(full[i]["draft"][b], np.int32)])
+                 for b, q in enumerate(batch.question_rows(i))] for i in sorted(full)]  # [P][B]
+        width = max(len(r) for per_question in rows for r in per_question)
+        tokens = np.zeros((len(rows), batch.size, width), np.int32)  # [P, B, W] right-padded
+        for p, per_question in enumerate(rows):
+            for b, r in enumerate(per_question):
+                tokens[p, b, :len(r)] = r
+        lengths = np.array([[len(r) for r in per_question] for per_question in rows], np.int32)  # [P, B]
+        self.oracle_probes = matching.Probes(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(lengths))
+        return full
+
+    return wrapped
 
 
 def _fit_queries(shared, sources: tuple[str, ...]) -> matching.ReferenceQueries:
