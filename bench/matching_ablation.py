@@ -16,7 +16,8 @@ am-hak-kb (HAK's keys in KVzip's uncapped budgets) run beside them. Not run by d
 kvzip-am-cap0.08 and am-hak-op-cap0.08; and KVzip's own kept pairs (kvzip-am-cap1's) under parts of the fit:
 kvzip-am-cap1-r1e-2 / -r1e-1 / -r1 / -r10 / -r1e4 (value_ridge 0.01 to 1e4: from the least-squares values to the kept
 ones), kvzip-am-cap1-nb (beta = 0, values fitted) and kvzip-am-cap1-nb-r1e4 (beta = 0, the kept values: KVzip's
-eviction, less the pairs a bias' bytes would pay for). --fit-sources self-study (or context, ...) fits every AM
+eviction, less the pairs a bias' bytes would pay for); am-hak-cap1-nb-r1e4 likewise evicts by am-hak-cap1's keys
+and budgets. --fit-sources self-study (or context, ...) fits every AM
 method to the queries of those sources (matching.queries) in place of the reread's (KVzip's scores still come from
 the reread, so it is meant for the kvzip-am-cap1 variants, whose keys and budgets are KVzip's); --fit-sources
 oracle takes instead each question followed by the full cache's answer, teacher-forced on top of the cache: a
@@ -42,7 +43,10 @@ am-fit-seed0 (`--tasks multi_needle,passkey,niah --methods kvzip,kvzip-am-cap1,k
 kvzip,kvzip-am-cap1,kvzip-am-cap1-r1 --ratios 1,0.02 --fit-sources self-study`; run as --fit-self-study-only, the
 same code before it took other sources), am-ctx-fit-002-seed1 (the same with `--fit-sources context`),
 am-oracle-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
-kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,am-hak-cap1,am-hak-kb --ratios 1,0.02 --fit-sources oracle`).
+kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,am-hak-cap1,am-hak-kb --ratios 1,0.02 --fit-sources oracle`),
+am-hak-ss-002-seed1 (`--methods kvzip,am-hak-cap1,am-hak,am-hak-kb --fit-sources self-study`, the flags otherwise
+as am-oracle-002-seed1's: HAK's keys, budgets and fit from the self-study turns alone), am-oracle-evict-002-seed1
+(`--methods kvzip,am-hak-cap1-nb-r1e4 --fit-sources oracle`: the oracle's HAK keys and budgets, evicting).
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ KVZIP_PAIRS_FIT = {  # KVzip's own kept pairs (its keys, its uncapped budgets) u
        for r in ("1e-2", "1e-1", "1", "10", "1e4")},
     "kvzip-am-cap1-nb": dict(VARIANTS["kvzip-am-cap1"], fit_bias=False),
     "kvzip-am-cap1-nb-r1e4": dict(VARIANTS["kvzip-am-cap1"], fit_bias=False, value_ridge=1e4),
+}
+HAK_PAIRS_KEPT = {  # am-hak-cap1's keys and budgets, kept values, no bias: eviction by HAK (for --fit-sources oracle)
+    "am-hak-cap1-nb-r1e4": dict(VARIANTS["am-hak-cap1"], fit_bias=False, value_ridge=1e4),
 }
 CAP_4X = {  # the earlier default, a head capped at 4x its uniform count, as a fraction at ratios 0.1, 0.05, 0.02
     "kvzip-am-op-cap0.4": dict(matching.METHODS["kvzip-am-op"], head_cap=0.4),
@@ -111,7 +118,7 @@ def main() -> int:
         parser.error(f"--fit-sources must be among {matching.SOURCES}, or oracle alone; got {args.fit_sources}")
     if fit_sources:
         sweep._Shared.queries = functools.partialmethod(_fit_queries, fit_sources)
-    extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT}
+    extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT, **HAK_PAIRS_KEPT}
     matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
     sweep.METHODS = sweep.METHODS + tuple(extra)
     return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
