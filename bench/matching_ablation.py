@@ -17,9 +17,9 @@ kvzip-am-cap0.08 and am-hak-op-cap0.08; and KVzip's own kept pairs (kvzip-am-cap
 kvzip-am-cap1-r1e-2 / -r1e-1 / -r1 / -r10 / -r1e4 (value_ridge 0.01 to 1e4: from the least-squares values to the kept
 ones), kvzip-am-cap1-nb (beta = 0, values fitted) and kvzip-am-cap1-nb-r1e4 (beta = 0, the kept values: KVzip's
 eviction, less the pairs a bias' bytes would pay for); am-hak-cap1-nb-r1e4 likewise evicts by am-hak-cap1's keys
-and budgets. --fit-sources self-study (or context, ...) fits every AM
-method to the queries of those sources (matching.queries) in place of the reread's (KVzip's scores still come from
-the reread, so it is meant for the kvzip-am-cap1 variants, whose keys and budgets are KVzip's); --fit-sources
+and budgets. --fit-sources self-study (or context, ...) fits every AM method to the queries of those sources
+(matching.queries) in place of the reread's (KVzip's scores, so KVzip's own keys and budgets, still come from the
+reread); --fit-sources
 oracle takes instead each question followed by the full cache's answer, teacher-forced on top of the cache: a
 query-aware upper bound for key selection, budgets and fit, not a method. The report is the sweep's (summary.md,
 scores.png in --out).
@@ -105,8 +105,8 @@ def main() -> int:
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     parser.add_argument("--fit-sources", help="the reference query sources the fit takes (comma-separated, among "
                         f"{matching.SOURCES}; KVzip's scores still from the reread): for methods whose keys and "
-                        "budgets come from KVzip's scores; oracle alone: the questions and the full cache's answers, "
-                        "teacher-forced on top of the cache, a query-aware upper bound)")
+                        "budgets come from KVzip's scores; or oracle alone: the questions and the full cache's "
+                        "answers, teacher-forced on top of the cache, a query-aware upper bound")
     args = parser.parse_args()
     fit_sources = tuple(args.fit_sources.split(",")) if args.fit_sources else None
     oracle = fit_sources == ("oracle",)
