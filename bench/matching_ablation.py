@@ -104,8 +104,8 @@ def main() -> int:
     parser.add_argument("--out", default="runs/am-ablation")
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     parser.add_argument("--fit-sources", help="the reference query sources the fit takes (comma-separated, among "
-                        f"{matching.SOURCES}; KVzip's scores still from the reread): for methods whose keys and "
-                        "budgets come from KVzip's scores; or oracle alone: the questions and the full cache's "
+                        f"{matching.SOURCES}; KVzip's scores still from the reread; HAK selects on them too), or "
+                        "oracle alone: the questions and the full cache's "
                         "answers, teacher-forced on top of the cache, a query-aware upper bound")
     args = parser.parse_args()
     fit_sources = tuple(args.fit_sources.split(",")) if args.fit_sources else None
