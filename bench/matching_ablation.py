@@ -19,10 +19,9 @@ ones), kvzip-am-cap1-nb (beta = 0, values fitted) and kvzip-am-cap1-nb-r1e4 (bet
 eviction, less the pairs a bias' bytes would pay for); am-hak-cap1-nb-r1e4 likewise evicts by am-hak-cap1's keys
 and budgets. --fit-sources self-study (or context, ...) fits every AM method to the queries of those sources
 (matching.queries) in place of the reread's (KVzip's scores, so KVzip's own keys and budgets, still come from the
-reread); --fit-sources
-oracle takes instead each question followed by the full cache's answer, teacher-forced on top of the cache: a
-query-aware upper bound for key selection, budgets and fit, not a method. The report is the sweep's (summary.md,
-scores.png in --out).
+reread); --fit-sources oracle takes instead each question followed by the full cache's answer, teacher-forced on top
+of the cache: a query-aware upper bound for key selection, budgets and fit, not a method. The report is the sweep's
+(summary.md, scores.png in --out).
 
 Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
 budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
@@ -105,19 +104,18 @@ def main() -> int:
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     parser.add_argument("--fit-sources", help="the reference query sources the fit takes (comma-separated, among "
                         f"{matching.SOURCES}; KVzip's scores still from the reread; HAK selects on them too), or "
-                        "oracle alone: the questions and the full cache's "
-                        "answers, teacher-forced on top of the cache, a query-aware upper bound")
+                        "oracle alone: the questions and the full cache's answers, teacher-forced on top of the "
+                        "cache, a query-aware upper bound")
     args = parser.parse_args()
     fit_sources = tuple(args.fit_sources.split(",")) if args.fit_sources else None
     oracle = fit_sources == ("oracle",)
     if oracle:  # an upper bound: the fit (and HAK) sees the questions and the full answers
         sweep.Sweep._full_answers = _keeping_oracle_probes(sweep.Sweep._full_answers)
         sweep._Shared.probes = lambda shared: shared._sweep.oracle_probes
-        fit_sources = ("self-study",)  # the oracle probes go on top of the cache as self-study turns do
     elif fit_sources and set(fit_sources) - set(matching.SOURCES):
         parser.error(f"--fit-sources must be among {matching.SOURCES}, or oracle alone; got {args.fit_sources}")
-    if fit_sources:
-        sweep._Shared.queries = functools.partialmethod(_fit_queries, fit_sources)
+    if fit_sources:  # the oracle probes go on top of the cache as self-study turns do
+        sweep._Shared.queries = functools.partialmethod(_fit_queries, ("self-study",) if oracle else fit_sources)
     extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT, **HAK_PAIRS_KEPT}
     matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
     sweep.METHODS = sweep.METHODS + tuple(extra)
@@ -125,7 +123,7 @@ def main() -> int:
                      "--context-tokens", args.context_tokens, "--batch-size", "8", "--methods", args.methods,
                      "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
                     + (["--jsonl", args.jsonl] if args.jsonl else [])
-                    + (["--self-study"] if fit_sources and not oracle and "self-study" in fit_sources else []))
+                    + (["--self-study"] if fit_sources and "self-study" in fit_sources else []))
 
 
 def _keeping_oracle_probes(full_answers):
