@@ -16,7 +16,7 @@ memory is its own. Per length:
   - the four facts asked of the full cache and of KVzip at --ratio (right answers out of 4).
 --allocator returning runs the children with glibc told to return freed memory (see RETURNING; on the defaults,
 memory the CPU runtime freed into per-thread arenas during the prefill can serve scoring, or not: see
-bench/scoring_memory.py).
+studies/scoring_memory/scoring_memory.py).
 Writes bench/results/long-context[-chunk<N>][-returning].txt.
 """
 

@@ -9,10 +9,10 @@
             uniform count (so the row's budget always fits); the cap of the longest row fixes the static size of
             the fit. Which score and cap decide the KL at 20x (README, Attention Matching against KVzip).
   profile   each head a fixed share of the row's budget, searched offline per model as the paper's are
-            (bench/budget_search.py, stored in kvzip_jax/data/head_budgets/<model>.json): the global top-k over
-            scores share / (rank + 1/2), so the counts are proportional to the shares, exact in total, and capped at
-            `head_cap` as global budgets are (the excess goes to the other heads in proportion to their shares, and
-            to heads of share 0 only once the others are full).
+            (studies/budget_search/budget_search.py, stored in kvzip_jax/data/head_budgets/<model>.json): the global
+            top-k over scores share / (rank + 1/2), so the counts are proportional to the shares, exact in total, and
+            capped at `head_cap` as global budgets are (the excess goes to the other heads in proportion to their
+            shares, and to heads of share 0 only once the others are full).
 Counts are exact integers (kvzip.budget.kept_count); a ratio applies to the context pairs of the compacted layers.
 
 Fitting every head at the static size of the largest wastes most of the work when budgets are uneven (at 0.1 the
@@ -55,7 +55,7 @@ def load_profile(model: str) -> tuple[tuple[float, ...], ...]:
     path = profile_file(model)
     if not path.is_file():
         raise BudgetProfileError(f"no budget profile for {model} at {path}; search one with: "
-                                 f"python bench/budget_search.py --model {model}")
+                                 f"python studies/budget_search/budget_search.py --model {model}")
     try:
         return tuple(tuple(float(share) for share in row) for row in json.loads(path.read_text())["profile"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:

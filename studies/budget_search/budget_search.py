@@ -1,9 +1,9 @@
 """Offline per-head budgets for Attention Matching (reference/attention_matching.md §5.2), searched on contexts that
 no evaluation uses, and written as the package's budget profile for the model (matching.budgets, budget "profile").
 
-    python bench/budget_search.py [--model qwen2.5-coder-0.5b-instruct] [--ratio 0.02] [--contexts 4]
-                                  [--grid 0,0.06,0.2,0.5] [--out kvzip_jax/data/head_budgets]
-    python bench/budget_search.py --curves kvzip_jax/data/head_budgets/MODEL.json   # allocate again, no model run
+    python studies/budget_search/budget_search.py [--model qwen2.5-coder-0.5b-instruct] [--ratio 0.02] [--contexts 4]
+                                                   [--grid 0,0.06,0.2,0.5] [--out kvzip_jax/data/head_budgets]
+    python studies/budget_search/budget_search.py --curves kvzip_jax/data/head_budgets/MODEL.json  # no model run
 
 The paper's search, made cheap enough for a CPU: every compacted (layer, KV head) in turn keeps a grid ratio of its
 context keys (AM-HAK, off-policy) while every other head keeps the base ratio (--ratio, uniform), and the cost of
@@ -155,7 +155,7 @@ def main() -> int:
         delta = (cost - cost[:, :, [grid.index(ratio)]]).mean(0)  # [heads, grid], averaged over tasks
         settings = {"base_ratio": ratio, "grid": grid, "tasks": list(TASKS), "seed": args.seed,
                     "contexts_per_task": args.contexts, "context_tokens": args.context_tokens,
-                    "command": "python bench/budget_search.py " + " ".join(
+                    "command": "python studies/budget_search/budget_search.py " + " ".join(
                         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "curves"))}
     grid_units = [round(r / PROFILE_UNIT) for r in grid]
     picked = allocate(delta, grid_units, round(ratio * len(delta) / PROFILE_UNIT))

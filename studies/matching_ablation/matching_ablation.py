@@ -1,8 +1,8 @@
 """Which part of the Attention Matching fit costs KL at extreme ratios: the same sweep as `kvzip-jax eval`, with
 variants of the fit registered as extra methods beside KVzip and am-hak.
 
-    python bench/matching_ablation.py [--tasks multi_needle] [--ratios 1,0.1,0.05] [--contexts 6]
-                                      [--context-tokens 640] [--out runs/am-ablation]
+    python studies/matching_ablation/matching_ablation.py [--tasks multi_needle] [--ratios 1,0.1,0.05] [--contexts 6]
+                                                          [--context-tokens 640] [--out runs/am-ablation]
 
 Variants (MatchingConfig choices). Of the fit: am-hak-r1 (values shrunk towards the kept ones, value_ridge 1),
 am-hak-r1e4 (value_ridge 1e4: the kept values themselves, only beta fitted), kvzip-am-r1 (KVzip's selection,
@@ -23,29 +23,29 @@ reread); --fit-sources oracle takes instead each question followed by the full c
 of the cache: a query-aware upper bound for key selection, budgets and fit, not a method. The report is the sweep's
 (summary.md, scores.png in --out).
 
-Results folders, each run by the code of the commit that added it: am-fit-ablation-640 (the fit variants, when
-budgets were ranked by KVzip's scores and a head capped at 4x its uniform count), am-head-cap-640 (that 4x cap
-against none: its am-hak-cap20 / kvzip-am-cap20), am-budgets-640 (ratios 0.1 and 0.05: its am-hak is
-am-hak-kb-cap0.75 here, its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap variants),
-am-quality-cap (the 48 questions at 0.3: `--tasks '' --jsonl bench/results/quality.jsonl --methods
+Results folders (studies/matching_ablation/results/), each run by the code of the commit that added it:
+am-fit-ablation-640 (the fit variants, when budgets were ranked by KVzip's scores and a head capped at 4x its uniform
+count), am-head-cap-640 (that 4x cap against none: its am-hak-cap20 / kvzip-am-cap20), am-budgets-640 (ratios 0.1 and
+0.05: its am-hak is am-hak-kb-cap0.75 here, its am-hak-attn today's am-hak, its am-hak-cap0.4 / -cap0.2 the -kb-cap
+variants), am-quality-cap (the 48 questions at 0.3: `--tasks '' --jsonl bench/results/quality.jsonl --methods
 kvzip,kvzip-am-cap1,am-hak-kb,am-hak-cap1 --ratios 1,0.3`; its am-hak-kb-cap1 is today's am-hak-kb), am-op-seed0
 (kvzip-am-op re-measured on the seed-0 contexts: `--tasks multi_needle`, then `--tasks passkey,niah`, `--methods
 kvzip,kvzip-am-op-cap0.08 --ratios 1,0.02`; `--tasks multi_needle,passkey,niah --methods kvzip-am-op-cap0.2 --ratios
 1,0.05`; `--methods kvzip-am-op-cap0.4 --ratios 1,0.1`; `--contexts 2 --methods kvzip-am,kvzip-am-op --ratios
 1,0.3,0.1`), am-cap0.08-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
-kvzip,kvzip-am-op-cap0.08,kvzip-am-cap0.08,am-hak-op-cap0.08 --ratios 1,0.02`, stopped during passkey),
-am-fit-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
+kvzip,kvzip-am-op-cap0.08,kvzip-am-cap0.08,am-hak-op-cap0.08 --ratios 1,0.02`, stopped during passkey), am-fit-002-seed1
+(`--seed 1 --tasks multi_needle,passkey,niah --methods
 kvzip,kvzip-am-cap1,kvzip-am-cap1-r1e4,kvzip-am-cap1-nb,kvzip-am-cap1-nb-r1e4 --ratios 1,0.02`, then `--methods
 kvzip,kvzip-am-cap1-r1e-2,kvzip-am-cap1-r1e-1,kvzip-am-cap1-r1,kvzip-am-cap1-r10`, the same flags otherwise),
 am-fit-seed0 (`--tasks multi_needle,passkey,niah --methods kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,kvzip-am-cap1-r1e4
 --ratios 1,0.05,0.02`), am-ss-fit-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
-kvzip,kvzip-am-cap1,kvzip-am-cap1-r1 --ratios 1,0.02 --fit-sources self-study`; run as --fit-self-study-only, the
-same code before it took other sources), am-ctx-fit-002-seed1 (the same with `--fit-sources context`),
-am-oracle-002-seed1 (`--seed 1 --tasks multi_needle,passkey,niah --methods
-kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,am-hak-cap1,am-hak-kb --ratios 1,0.02 --fit-sources oracle`),
-am-hak-ss-002-seed1 (`--methods kvzip,am-hak-cap1,am-hak,am-hak-kb --fit-sources self-study`, the flags otherwise
-as am-oracle-002-seed1's: HAK's keys, budgets and fit from the self-study turns alone), am-oracle-evict-002-seed1
-(`--methods kvzip,am-hak-cap1-nb-r1e4 --fit-sources oracle`: the oracle's HAK keys and budgets, evicting).
+kvzip,kvzip-am-cap1,kvzip-am-cap1-r1 --ratios 1,0.02 --fit-sources self-study`; run as --fit-self-study-only, the same
+code before it took other sources), am-ctx-fit-002-seed1 (the same with `--fit-sources context`), am-oracle-002-seed1
+(`--seed 1 --tasks multi_needle,passkey,niah --methods kvzip,kvzip-am-cap1,kvzip-am-cap1-r1,am-hak-cap1,am-hak-kb
+--ratios 1,0.02 --fit-sources oracle`), am-hak-ss-002-seed1 (`--methods kvzip,am-hak-cap1,am-hak,am-hak-kb --fit-sources
+self-study`, the flags otherwise as am-oracle-002-seed1's: HAK's keys, budgets and fit from the self-study turns alone),
+am-oracle-evict-002-seed1 (`--methods kvzip,am-hak-cap1-nb-r1e4 --fit-sources oracle`: the oracle's HAK keys and
+budgets, evicting).
 """
 
 from __future__ import annotations

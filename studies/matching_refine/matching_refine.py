@@ -1,6 +1,7 @@
 """How far Attention Matching's closed form is from a local optimum, and at what cost (issue 16 item 3).
 
-    python bench/matching_refine.py [--model smollm2-135m-instruct] [--tokens 600] [--ratio 0.1] [--steps 300]
+    python studies/matching_refine/matching_refine.py [--model smollm2-135m-instruct] [--tokens 600] [--ratio 0.1]
+                                                      [--steps 300]
 
 One generated passkey context on a real model, KVzip's reread as reference queries (the repeat source) and, held out,
 the queries of the task's questions followed by the full cache's answers. For every (layer, KV head): HAK keeps

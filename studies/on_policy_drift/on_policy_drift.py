@@ -1,6 +1,6 @@
 """How far on-policy Attention Matching drifts from the off-policy fit, layer by layer, on one generated context.
 
-    python bench/on_policy_drift.py [--task multi_needle] [--ratio 0.3] [--seed 0]
+    python studies/on_policy_drift/on_policy_drift.py [--task multi_needle] [--ratio 0.3] [--seed 0]
 
 Compacts one context (Qwen2.5-Coder-0.5B, the task's first context of ~640 tokens) with kvzip-am and its on-policy
 twin kvzip-am-op (same budgets), then prints per layer the share of cache slots whose keep flag differs, and how much

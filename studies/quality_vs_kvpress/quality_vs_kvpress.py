@@ -1,7 +1,11 @@
 """Our KVzip against kvpress' KVzipPress on the 48 bundled questions at ratio 0.3: right answers of each and a 95%
 interval on the difference, paired by question (Wald interval on the mean of per-question differences).
 
-    python bench/quality_vs_kvpress.py [--ours bench/results/quality.json] [--peer bench/results/kvpress-quality.txt]
+    python studies/quality_vs_kvpress/quality_vs_kvpress.py [--ours bench/results/quality.json]
+        [--peer bench/results/kvpress-quality.txt] > studies/quality_vs_kvpress/results/quality-vs-kvpress.txt
+
+Its inputs are two bench runs' outputs (bench/quality.py --json-out, bench/kvpress_quality.py); paths are relative
+to the repository root.
 """
 
 from __future__ import annotations

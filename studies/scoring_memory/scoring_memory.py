@@ -1,16 +1,16 @@
 """What KVzip scoring's extra resident memory is made of, on this CPU: XLA's buffer for the program, what the CPU
 runtime allocates in each call outside it, and what glibc's allocator keeps.
 
-    python bench/scoring_memory.py [--tokens 8192] [--chunks 2048 1024]
+    python studies/scoring_memory/scoring_memory.py [--tokens 8192] [--chunks 2048 1024]
 
 Qwen2.5-Coder-0.5B-Instruct float32 over a cache of random keys and values (no prefill: the memory of scoring does
 not depend on what the cache holds), each (chunk, allocator) in a fresh process; the compiled `kvzip.score` is
 called twice. Per run: XLA's temp allocation for the program (memory_analysis), the resident set's peak during
 each call minus before it (sampled every 2 ms), and what the first call left resident. Allocators:
   - glibc: the default (per-thread arenas; freed blocks stay in the process for reuse);
-  - returning: glibc told to give freed memory back (long_context.RETURNING: MALLOC_ARENA_MAX=1,
+  - returning: glibc told to give freed memory back (bench/long_context.py's RETURNING: MALLOC_ARENA_MAX=1,
     MALLOC_MMAP_THRESHOLD_=65536, MALLOC_TRIM_THRESHOLD_=0), so each call's peak is what that call needs.
-Writes bench/results/scoring-memory.txt.
+Writes studies/scoring_memory/results/scoring-memory.txt.
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-from long_context import RETURNING, ROOT, peak_resident, resident
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "bench"))  # bench/long_context.py's allocator settings and samplers
+from long_context import RETURNING, peak_resident, resident  # noqa: E402
 
 MiB = 1 << 20
 
@@ -92,7 +95,7 @@ def main() -> None:
                      f"{first['left_bytes'] / MiB:.1f} | {second['extra_bytes'] / MiB:.1f} | {first['seconds']:.0f} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    out = ROOT / "bench" / "results" / "scoring-memory.txt"
+    out = HERE / "results" / "scoring-memory.txt"
     out.write_text(text + "\n" + "\n".join(map(json.dumps, rows)) + "\n")
 
 
