@@ -47,6 +47,13 @@ def test_probes_are_prompt_then_sampled_answer_reproducibly(setup):
         np.testing.assert_array_equal(a, np.asarray(b))  # the cache is left as it was (and not donated)
 
 
+def test_probes_from_rows_right_pads_turns_already_written():
+    rows = [[np.array([5, 6, 7], np.int32), np.array([8], np.int32)], [np.array([9, 10], np.int32)] * 2]  # [P][B]
+    got = self_study.probes_from_rows(rows)
+    np.testing.assert_array_equal(np.asarray(got.tokens), [[[5, 6, 7], [8, 0, 0]], [[9, 10, 0], [9, 10, 0]]])
+    np.testing.assert_array_equal(np.asarray(got.num_valid), [[3, 1], [2, 2]])
+
+
 def test_self_study_probes_serve_as_reference_queries(setup):
     """(On-policy with self-study runs in tests/test_cli.py, through compress --method kvzip-am-op --self-study.)"""
     model, cache, reread = setup

@@ -51,11 +51,17 @@ def probes(params, cfg: ModelConfig, tokenizer, cache: kv.KVCache, prompts: Sequ
         answers, _ = gen.decode(params, cfg, logits, work, max_new_tokens, stop_tokens=stops,
                                 sampling=gen.Sampling.make(temperature, seed=seed + p))
         rows.append([np.concatenate([suffix, np.asarray(a, np.int32)]) for a in answers])
-    width = max(len(r) for per_prompt in rows for r in per_prompt)
-    tokens = np.zeros((len(prompts), B, width), np.int32)
-    num_valid = np.zeros((len(prompts), B), np.int32)
-    for p, per_prompt in enumerate(rows):
-        for b, r in enumerate(per_prompt):
+    return probes_from_rows(rows)
+
+
+def probes_from_rows(rows: Sequence[Sequence[np.ndarray]]) -> Probes:
+    """Probes of turns already written: rows[p][b] the int32 tokens of probe p on batch row b (P lists of B rows, any
+    lengths), right-padded to the longest: tokens [P, B, W], num_valid [P, B]."""
+    width = max(len(r) for per_probe in rows for r in per_probe)
+    tokens = np.zeros((len(rows), len(rows[0]), width), np.int32)  # [P, B, W]
+    num_valid = np.zeros((len(rows), len(rows[0])), np.int32)  # [P, B]
+    for p, per_probe in enumerate(rows):
+        for b, r in enumerate(per_probe):
             tokens[p, b, :len(r)], num_valid[p, b] = r, len(r)
     return Probes(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid))
 

@@ -54,7 +54,6 @@ import argparse
 import functools
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax import cli, matching
@@ -132,15 +131,9 @@ def _keeping_oracle_probes(full_answers):
 
     def wrapped(self, batch, cache):
         full = full_answers(self, batch, cache)
-        rows = [[np.concatenate([q, np.asarray(full[i]["draft"][b], np.int32)])
-                 for b, q in enumerate(batch.question_rows(i))] for i in sorted(full)]  # [P][B]
-        width = max(len(r) for per_question in rows for r in per_question)
-        tokens = np.zeros((len(rows), batch.size, width), np.int32)  # [P, B, W] right-padded
-        for p, per_question in enumerate(rows):
-            for b, r in enumerate(per_question):
-                tokens[p, b, :len(r)] = r
-        lengths = np.array([[len(r) for r in per_question] for per_question in rows], np.int32)  # [P, B]
-        self.oracle_probes = matching.Probes(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(lengths))
+        self.oracle_probes = matching.self_study.probes_from_rows(
+            [[np.concatenate([q, np.asarray(full[i]["draft"][b], np.int32)])
+              for b, q in enumerate(batch.question_rows(i))] for i in sorted(full)])  # [P][B] token rows
         return full
 
     return wrapped
