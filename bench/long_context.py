@@ -12,7 +12,7 @@ memory is its own. Per length:
     sampled every 2 ms (the scores it returns included), and its two parts apart: anonymous memory (what the run
     allocates: heap, XLA's buffers) and file-backed pages (mapped files paged in, such as the library's code);
     beside them the cache's bytes, XLA's temp allocation for the compiled program (memory_analysis) and the memory
-    planner's estimate of scores + one chunk's workspace (sharding.memory.plan);
+    planner's estimate of scores + one chunk's workspace (memory_plan.plan);
   - the four facts asked of the full cache and of KVzip at --ratio (right answers out of 4).
 --allocator returning runs the children with glibc told to return freed memory (see RETURNING; on the defaults,
 memory the CPU runtime freed into per-thread arenas during the prefill can serve scoring, or not: see
@@ -82,7 +82,7 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     from kvzip_jax import kvzip, prompts
     from kvzip_jax.eval import metrics, tasks
     from kvzip_jax.kvzip.scoring import evictable_layers, reread_inputs
-    from kvzip_jax.sharding import memory
+    from kvzip_jax import memory_plan
     from kvzip_jax.weights import registry
 
     model = registry.load(registry.QWEN, dtype="float32")
@@ -119,7 +119,8 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     out["score_extra_file_bytes"] = peak["file"] - before["file"]  # mapped files paged in (library code)
     keep = kvzip.keep_mask(scores, reread.context_len, ratio, "pair", evictable_layers(cfg))
     masked = jax.tree.map(jnp.copy, kv.mask_context(cache, keep, reread.prefix_len, reread.context_len))  # own K, V
-    planned = memory.plan(cfg, jnp.float32, out["context"] + prompt.context_start, 1, None, chunk, capacity=capacity)
+    planned = memory_plan.plan(cfg, jnp.float32, out["context"] + prompt.context_start, 1, None, chunk,
+                               capacity=capacity)
     out["planned_workspace_bytes"] = planned.workspace + planned.scores
     del scores, keep
 

@@ -22,7 +22,7 @@ from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.kvzip.scoring import RereadInputs
 from kvzip_jax.models.attention import blocked_attention
-from kvzip_jax.models.params import init_params
+from kvzip_jax.models.params import init_params, param_shapes
 from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding import segments
 
@@ -121,7 +121,7 @@ def check_mesh(shape, reference, params):
     assert (np.asarray(got["tokens"]) == np.asarray(reference["tokens"])).all(), "greedy tokens differ"
 
     # Layouts: params by the rules, caches and scores as laid out by the rules.
-    want = sharding.param_shardings(CFG, mesh)
+    want = sharding.param_shardings(param_shapes(CFG), mesh)
     for (path, x), w in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0], jax.tree.leaves(want)):
         assert x.sharding.is_equivalent_to(w, x.ndim), f"{jax.tree_util.keystr(path)}: {x.sharding} != {w}"
     for name in ("cache", "masked", "packed"):

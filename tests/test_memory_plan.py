@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh
 
-from kvzip_jax import sharding
+from kvzip_jax import memory_plan, sharding
 from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.sharding import memory
 
@@ -20,7 +20,7 @@ def mesh(data=1, seq=1, tensor=1):
 
 def test_llama_8b_at_128k():
     """scale.md's figures: 16 GiB of bf16 cache at 128K (plus a 1-byte keep mask per slot), ~15 GiB of params."""
-    need = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, capacity=131072)
+    need = memory_plan.plan(LLAMA_8B, jnp.bfloat16, 131072, capacity=131072)
     assert need.cache == 32 * 8 * 131072 * (2 * 128 * 2 + 1)
     assert 14.9 * GiB < need.params < 15.0 * GiB  # 8.03e9 parameters
     assert need.scores == 4 * 32 * 8 * 131072 and need.workspace < GiB  # one layer at a time: 0.3 GiB
@@ -28,26 +28,27 @@ def test_llama_8b_at_128k():
 
 
 def test_shards_divide_each_part():
-    one = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, capacity=131072)
-    split = memory.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, mesh=mesh(data=2, seq=2, tensor=8), capacity=131072)
+    one = memory_plan.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, capacity=131072)
+    split = memory_plan.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, mesh=mesh(data=2, seq=2, tensor=8),
+                             capacity=131072)
     assert split.cache * 32 == one.cache and split.scores * 32 == one.scores
     assert one.params / 8 < split.params < 1.01 * one.params / 8  # norms replicated
     assert split.workspace < one.workspace
 
 
 def test_refuses_before_allocating():
-    need = memory.plan(LLAMA_8B, jnp.float32, 131072)
+    need = memory_plan.plan(LLAMA_8B, jnp.float32, 131072)
     with pytest.raises(memory.MemoryPlanError, match="needs 62.42 GiB .* of 24.00 GiB available; the largest part "
                                                      "is the cache"):
         memory.check(need, available=24 * GiB)
     with pytest.raises(MemoryError):  # also a MemoryError for callers that catch those
         memory.check(need, available=24 * GiB)
-    memory.check(memory.plan(LLAMA_8B, jnp.bfloat16, 131072, mesh=mesh(tensor=8)), available=24 * GiB)
+    memory.check(memory_plan.plan(LLAMA_8B, jnp.bfloat16, 131072, mesh=mesh(tensor=8)), available=24 * GiB)
 
 
 def test_this_machine_and_bad_mesh():
     assert memory.device_memory() > 0  # /proc/meminfo on this CPU
     with pytest.raises(memory.MemoryPlanError):  # 60 GiB of float32 on this 24 GiB machine
-        memory.check(memory.plan(LLAMA_8B, jnp.float32, 131072))
+        memory.check(memory_plan.plan(LLAMA_8B, jnp.float32, 131072))
     with pytest.raises(sharding.MeshError):
-        memory.plan(LLAMA_8B, jnp.float32, 1024, mesh=mesh(tensor=3))
+        memory_plan.plan(LLAMA_8B, jnp.float32, 1024, mesh=mesh(tensor=3))

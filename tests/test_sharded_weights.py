@@ -30,6 +30,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax import sharding
 from kvzip_jax.cli import main as cli_main
 from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.models.params import param_shapes
 from kvzip_jax.models.transformer import forward
 from kvzip_jax.weights import load, load_checkpoint, params_from_hf, save_checkpoint
 from kvzip_jax.weights.assemble import SourceTensor, assemble_params, flat_param_shapes, source_shape
@@ -180,10 +181,10 @@ def _forward_logits(params, cfg, mesh=None) -> np.ndarray:
 
 
 def _check_layout(params, cfg, mesh, reference, label: str) -> None:
-    """Every leaf on param_shardings(cfg, mesh), each device's shard equal to its slice of reference; each device
+    """Every leaf on the partition rules' layout, each device's shard equal to its slice of reference; each device
     holds total / tensor bytes (norms, replicated, are a few kB)."""
 
-    want = dict(jax.tree_util.tree_flatten_with_path(sharding.param_shardings(cfg, mesh))[0])
+    want = dict(jax.tree_util.tree_flatten_with_path(sharding.param_shardings(param_shapes(cfg), mesh))[0])
     expected = dict(jax.tree_util.tree_flatten_with_path(reference)[0])
     got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
     assert set(got) == set(want) == set(expected), f"{label}: keys differ"

@@ -22,7 +22,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models.params import param_shapes
 from kvzip_jax.sharding.mesh import DATA, SEQ, TENSOR, check_mesh, constrain, spec_for
 from kvzip_jax.sharding.select import SCORES
 
@@ -52,17 +51,19 @@ def param_spec(name: str, shape: tuple[int, ...], mesh: Mesh) -> PartitionSpec:
     return spec_for(mesh, axes, shape)
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
-    """NamedSharding tree matching params.param_shapes(cfg) (jit in/out shardings, orbax restore targets)."""
-    check_mesh(cfg, mesh)
+def param_shardings(shapes: dict, mesh: Mesh) -> dict:
+    """NamedSharding tree matching `shapes`, a tree of parameter shape tuples (models.params.param_shapes(cfg)),
+    for jit in/out shardings and orbax restore targets. The caller checks the model against the mesh (check_mesh)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, shape: NamedSharding(mesh, param_spec(_path(path), shape, mesh)),
-        param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """params placed by the partition rules (each device receives only its shards)."""
-    return jax.device_put(params, param_shardings(cfg, mesh))
+    """params placed by the partition rules (each device receives only its shards); MeshError when `tensor` does
+    not divide the model's KV heads."""
+    check_mesh(cfg, mesh)
+    return jax.device_put(params, param_shardings(jax.tree.map(np.shape, params), mesh))
 
 
 def _map_cache(cache: kv.KVCache, fn) -> kv.KVCache:

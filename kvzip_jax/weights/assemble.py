@@ -131,10 +131,13 @@ def _read(tensor: SourceTensor, expected: tuple[int, ...]) -> np.ndarray:
 
 def placer(cfg: ModelConfig, dtype=None, mesh=None) -> Callable[[tuple[str, ...], np.ndarray], Any]:
     """place(path, value) for assemble_params: value cast to `dtype` ("float32" / "bfloat16"; None: kept), then,
-    given a (data, seq, tensor) mesh, a jax array laid out by sharding.param_shardings(cfg, mesh), each device taking
-    only its own slice (jax.make_array_from_callback: in a multi-host run each process keeps its devices' shards)."""
+    given a (data, seq, tensor) mesh, a jax array laid out by sharding.param_shardings, each device taking only
+    its own slice (jax.make_array_from_callback: in a multi-host run each process keeps its devices' shards)."""
     dtype = None if dtype is None else dtypes.resolve(dtype)
-    shardings = None if mesh is None else sharding.param_shardings(cfg, mesh)  # MeshError before any read
+    shardings = None
+    if mesh is not None:
+        sharding.check_mesh(cfg, mesh)  # MeshError before any read
+        shardings = sharding.param_shardings(param_shapes(cfg), mesh)
 
     def place(path, value):
         value = value if dtype is None else value.astype(dtype, copy=False)

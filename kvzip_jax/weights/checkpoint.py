@@ -65,10 +65,10 @@ def atomic_dir(target: str | Path, overwrite: bool = False):
 
 def _restore_target(cfg: ModelConfig, stored, dtype, mesh) -> dict:
     """abstract_params' shapes in `dtype` (None: each array's stored dtype, from the checkpoint's metadata `stored`)
-    with explicit shardings: sharding.param_shardings(cfg, mesh), or this host's first device without a mesh. Built
-    leaf by leaf, not by eval_shape (which can drop shardings, flax#5110), so orbax reads each device's slice straight
-    from disk into its layout, casting while reading."""
-    shardings = sharding.param_shardings(cfg, mesh) if mesh is not None else jax.tree.map(
+    with explicit shardings: sharding.param_shardings (the mesh already checked), or this host's first device without
+    a mesh. Built leaf by leaf, not by eval_shape (which can drop shardings, flax#5110), so orbax reads each device's
+    slice straight from disk into its layout, casting while reading."""
+    shardings = sharding.param_shardings(param_shapes(cfg), mesh) if mesh is not None else jax.tree.map(
         lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), param_shapes(cfg),
         is_leaf=lambda x: isinstance(x, tuple))
     stored_dtypes = {jax.tree_util.keystr(path): leaf.dtype
