@@ -1,0 +1,157 @@
+"""What several commands share: reading input files, progress bars, byte counts, loading a model or a saved cache,
+compressing a prefilled cache, and answering a question from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from kvzip_jax.errors import EmptyInputError, KvzipError
+
+
+class InputFileError(KvzipError):
+    """A context or questions file is missing, unreadable or malformed."""
+
+
+def read_text(path: str, what: str) -> str:
+    """The UTF-8 text of a file; InputFileError naming `what` when it cannot be read."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise InputFileError(f"cannot read the {what} file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise InputFileError(f"the {what} file {path} is not UTF-8 text") from None
+
+
+def read_context(path: str) -> str:
+    """The context file's text; EmptyInputError when it holds only whitespace."""
+    document = read_text(path, "context")
+    if not document.strip():
+        raise EmptyInputError(f"the context file {path} is empty")
+    return document
+
+
+def questions(args: argparse.Namespace) -> list[str] | None:
+    """The questions given by --question and --questions FILE (None: none given, read them from stdin)."""
+    found = list(args.question or [])
+    if args.questions:
+        try:
+            items = json.loads(read_text(args.questions, "questions"))
+            found += [item if isinstance(item, str) else item["question"] for item in items]
+        except (ValueError, TypeError, KeyError):
+            raise InputFileError(f"{args.questions} is not a JSON list of strings or of "
+                                 '{"question", "answer"} objects') from None
+    return found or None
+
+
+def stdin_questions() -> Iterator[str]:
+    """The non-empty lines of stdin, read as they come, after saying so."""
+    print("questions from stdin, one per line (end with EOF):", flush=True)
+    return (q for q in map(str.strip, sys.stdin) if q)
+
+
+def progress(args: argparse.Namespace, what: str, unit: str = "tok"):
+    """(on_chunk(done, total) callback, close): a tqdm bar on stderr, silent when stderr is not a terminal or with
+    --quiet."""
+    from tqdm import tqdm
+
+    bar = tqdm(desc=what, unit=unit, disable=getattr(args, "quiet", False) or not sys.stderr.isatty(),
+               file=sys.stderr, leave=False)
+
+    def on_chunk(done: int, total: int) -> None:
+        bar.total = total
+        bar.update(max(done - bar.n, 0))
+
+    return on_chunk, bar.close
+
+
+def cache_bytes(cache) -> str:
+    """A cache's filled and allocated bytes, in bytes and MiB."""
+    from kvzip_jax import cache as kv
+
+    used, allocated = kv.used_bytes(cache), kv.nbytes(cache)
+    return f"{used:,} filled / {allocated:,} allocated ({used / 2**20:.1f} / {allocated / 2**20:.1f} MiB)"
+
+
+def load_model(args: argparse.Namespace):
+    """The model of --model in --dtype, running attention with --attention-impl."""
+    from kvzip_jax.weights import registry
+
+    model = registry.load(args.model, dtype=args.dtype)
+    return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention_impl=args.attention_impl))
+
+
+def load_saved(args: argparse.Namespace):
+    """(model, cache, manifest's meta) of --cache: the model is --model or the one the manifest names, in --dtype or
+    the dtype the cache was saved in."""
+    from kvzip_jax import cache_io
+
+    manifest = cache_io.read_manifest(args.cache)
+    meta = manifest.get("meta", {})
+    args.model = args.model or meta.get("model_source")
+    if not args.model:
+        args.subparser.error(f"{args.cache} does not say which model made it; give --model")
+    args.dtype = args.dtype or manifest["dtype"]
+    model = load_model(args)
+    cache, _ = cache_io.load(args.cache, model)
+    return model, cache, meta
+
+
+def evict(args: argparse.Namespace, model, cache, context, head_scores):
+    """(masked cache, how it was made): KVzip scoring, the saved head scores for --level head, or an Attention
+    Matching compaction (a masked cache whose kept slots carry fitted values and a per-key bias)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvzip_jax import cache as kv
+    from kvzip_jax import kvzip, matching
+    from kvzip_jax.kvzip.scoring import chunk_progress, evictable_layers
+
+    prefix_len, context_len = context.context_start, len(context) - context.context_start
+    if args.level == "head":
+        keep = kvzip.head_keep(head_scores, [context_len], context_len, args.ratio, args.sink, args.recent,
+                               evictable_layers(model.cfg))  # [L, 1, K, n]
+        masked = kv.mask_context(cache, keep, jnp.array([prefix_len]), jnp.array([context_len]))
+        return masked, "from saved head scores, no scoring pass"
+    reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [context.ids()[context.context_slice]],
+                                 args.chunk_size)
+    if args.method in matching.METHODS:
+        probes, sources = None, ("repeat",)
+        if args.self_study:
+            probes = matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache)
+            sources = ("repeat", "self-study")
+        config = matching.method_config(args.method, args.ratio, model.name, sources=sources)
+        compact = matching.compact if config.on_policy else jax.jit(matching.compact)  # on-policy: jitted per layer
+        compacted, _ = compact(model.params, model.cfg, cache, reread, config, probes)
+        if args.ratio >= 1.0:
+            return compacted, "ratio 1 keeps the cache as it is"
+        return compacted, (f"keys selected ({config.selector}), values and biases fitted; pairs kept at ratio "
+                           f"{matching.effective_ratio(config, cache):.4f} (less, to pay for the 4-byte bias per kept "
+                           "pair)")
+    compress = jax.jit(kvzip.score_and_evict)
+    on_chunk, done = progress(args, "KVzip scoring (reread chunks)", unit="chunk")
+    with chunk_progress(on_chunk):
+        masked, _ = compress(model.params, model.cfg, cache, reread, args.ratio, kvzip.KVzipConfig(level=args.level))
+        jax.block_until_ready(masked)
+    done()
+    return masked, "scored and evicted"
+
+
+def answer(model, cache, question: str, suffix, max_new_tokens: int):
+    """Answers one question from the cache (appended, answered, dropped again); prints it. Returns the cache."""
+    from kvzip_jax import generate as gen
+    from kvzip_jax import prompts
+
+    start = time.perf_counter()
+    stops = prompts.stop_token_ids(model.tokenizer)
+    suffix = prompts.question_suffix(model.tokenizer, question) if suffix is None else suffix
+    answer_ids, cache = gen.ask(model.params, model.cfg, cache, suffix, max_new_tokens, stop_tokens=stops)
+    text = model.tokenizer.decode([t for t in answer_ids if t not in stops]).strip()
+    seconds = time.perf_counter() - start
+    print(f"Q: {question}\nA: {text}\n   [{len(answer_ids)} tokens in {seconds:.1f} s]", flush=True)
+    return cache

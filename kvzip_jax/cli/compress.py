@@ -1,0 +1,189 @@
+"""kvzip-jax compress: prefill a context once, compress its cache (KVzip or Attention Matching), then answer
+questions from the compressed cache, or save it for `ask` and `chat`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kvzip_jax import dtypes
+from kvzip_jax.cli import common, options
+from kvzip_jax.cli.head_scores import head_scores_path
+from kvzip_jax.errors import KvzipError
+
+INTERACTIVE_QUESTION_ROOM = 256  # tokens reserved for a question read from stdin
+
+
+def _check_choices(args: argparse.Namespace) -> None:
+    """Usage errors for flags that do not go together, before anything is loaded; sets the default --level."""
+    if args.max_new_tokens < 1 or args.chunk_size < 1 or (args.room is not None and args.room < 1):
+        args.subparser.error("--max-new-tokens, --chunk-size and --room must be >= 1")
+    if args.method != "kvzip":  # Attention Matching: KVzip's eviction choices do not apply
+        given = [flag for flag, on in (("--level", args.level is not None), ("--sink", args.sink),
+                                       ("--recent", args.recent)) if on]
+        if given:
+            what = "is a KVzip choice" if len(given) == 1 else "are KVzip choices"
+            args.subparser.error(f"{', '.join(given)} {what}; --method {args.method} (Attention Matching) takes none")
+    else:
+        if args.self_study:
+            args.subparser.error("--self-study is an Attention Matching choice (--method am-hak, ...)")
+        args.level = args.level or "pair"
+    if (args.sink or args.recent) and args.level != "head":
+        args.subparser.error("--sink and --recent apply to --level head only")
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    from kvzip_jax import cache as kv
+    from kvzip_jax import generate as gen
+    from kvzip_jax import matching, memory_plan, prompts
+    from kvzip_jax.kvzip.budget import check_ratio
+    from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
+    from kvzip_jax.sharding import memory
+
+    _check_choices(args)
+    instruction = options.instruction(args)
+    check_ratio(args.ratio)
+    document = common.read_context(args.context)
+    questions = common.questions(args)
+    if args.level == "head" and not head_scores_path(args.model).is_file():
+        raise HeadScoresError(f"--level head needs the model's head scores, none at {head_scores_path(args.model)}; "
+                              f"compute them once with: kvzip-jax head-scores --model {args.model}")
+
+    start = time.perf_counter()
+    model = common.load_model(args)
+    print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
+    head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
+    if args.method in matching.METHODS:  # a missing budget profile named before the prefill
+        matching.method_config(args.method, args.ratio, model.name)
+    context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [], instruction=instruction)
+    # What the cache, the scores and a chunk's work need beside the loaded params: MemoryPlanError before allocating.
+    memory.check(memory_plan.plan(model.cfg, dtypes.of_params(model.params), len(context), with_params=False))
+
+    start = time.perf_counter()
+    on_chunk, done = common.progress(args, "prefill")
+    logits, cache = gen.prefill(model.params, model.cfg, [context.ids()], on_chunk=on_chunk)
+    jax.block_until_ready(logits)
+    done()
+    print(f"prefill: {len(context)} tokens ({context.context_start} prefix + {len(context) - context.context_start} "
+          f"context) in {time.perf_counter() - start:.1f} s (including compilation)")
+
+    start = time.perf_counter()
+    masked, how = common.evict(args, model, cache, context, head_scores)
+    room = (max(map(len, suffixes)) if suffixes else INTERACTIVE_QUESTION_ROOM) + args.max_new_tokens
+    if args.save:  # questions asked later: room for any question of the interactive size
+        room = max(room, INTERACTIVE_QUESTION_ROOM + args.max_new_tokens)
+    room = args.room or room
+    compressed = kv.pack(masked, room)
+    jax.block_until_ready(compressed)
+    what = f"KVzip {args.level} level" if args.method == "kvzip" else f"Attention Matching {args.method}"
+    print(f"{what} at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s (including compilation)")
+    _report_kept(model.cfg, masked, context)
+    if args.plot or args.html:
+        _pictures(args, model, masked, context)
+    print(f"KV cache bytes: full {common.cache_bytes(cache)}")
+    print(f"KV cache bytes: compressed {common.cache_bytes(compressed)} (ragged, room for {room} more tokens)")
+    del cache, masked
+    if args.save:
+        _save(args, model, compressed, context)
+        if questions is None:  # saved for later: no questions read now
+            return 0
+
+    pending = zip(questions, suffixes) if questions is not None else ((q, None) for q in common.stdin_questions())
+    for question, suffix in pending:
+        try:
+            compressed = common.answer(model, compressed, question, suffix, args.max_new_tokens)
+        except KvzipError as e:  # a question too long for the room left: report it, take the next one
+            if questions is not None:
+                raise
+            print(f"kvzip-jax compress: error: {e}", file=sys.stderr)
+    return 0
+
+
+def _report_kept(cfg, masked, context) -> None:
+    from kvzip_jax import cache as kv
+
+    prefix_len, context_len = context.context_start, len(context) - context.context_start
+    units = cfg.num_layers * cfg.num_kv_heads
+    kept = int(kv.kept_per_head(masked).sum()) - units * prefix_len
+    print(f"tokens kept: {kept} of {units * context_len} context pairs ({kept / (units * context_len):.3f}; "
+          f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {context_len} tokens); the {prefix_len} prefix "
+          "tokens and everything after the context are always kept")
+
+
+def _pictures(args: argparse.Namespace, model, masked, context) -> None:
+    """--plot and --html: what was kept (eval.kept), each file written whole or not at all."""
+    from kvzip_jax.eval import kept, report
+
+    share = kept.fractions(masked, context.context_start, len(context) - context.context_start)
+    title = f"{model.name}: {args.method} at ratio {args.ratio}"
+    if args.plot:
+        print(f"wrote {kept.plot(share, Path(args.plot).absolute(), title)}")
+    if args.html:
+        page = kept.html(model.tokenizer, context.ids()[context.context_slice], share.per_token, title)
+        target = Path(args.html).absolute()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        print(f"wrote {report.write_atomic(target, lambda tmp: tmp.write_text(page, encoding='utf-8'))}")
+
+
+def _save(args: argparse.Namespace, model, compressed, context) -> None:
+    """Writes the compressed cache to --save with what `ask --cache` needs (model, how it was made, the context)."""
+    from kvzip_jax import cache as kv
+    from kvzip_jax import cache_io
+
+    ids = context.ids()
+    meta = {"model_source": str(args.model), "method": args.method, "level": args.level, "ratio": args.ratio,
+            "instruction": args.instruction, "max_new_tokens": args.max_new_tokens,
+            "prefix": {"tokens": context.context_start, "sha256": cache_io.token_hash(ids[:context.context_start])},
+            "context": {"tokens": len(ids) - context.context_start, "sha256": cache_io.token_hash(
+                ids[context.context_start:]), "file": str(Path(args.context).absolute())}}
+    start = time.perf_counter()
+    path = cache_io.save(args.save, compressed, model, meta, overwrite=args.overwrite)
+    on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(f"saved to {path}/ in {time.perf_counter() - start:.1f} s: {on_disk:,} bytes on disk, "
+          f"{kv.nbytes(compressed):,} bytes in memory ({kv.used_bytes(compressed):,} filled)")
+
+
+def add_parser(subparsers) -> None:
+    from kvzip_jax.kvzip.eviction import LEVELS
+    from kvzip_jax.matching import METHODS
+
+    parser = subparsers.add_parser("compress", help="compress a context's KV cache once (KVzip or Attention "
+                                   "Matching), then answer questions from it")
+    options.add_model(parser)
+    parser.add_argument("--context", required=True, metavar="FILE", help="text file to use as the context")
+    parser.add_argument("--ratio", type=float, required=True,
+                        help="fraction of context KV pairs kept, in (0, 1] (kvpress's compression_ratio is 1 - it)")
+    options.add_method(parser, help_text=f"kvzip (default) or Attention Matching: {', '.join(METHODS)} (keys picked by "
+                       "highest attention, orthogonal matching pursuit or KVzip's scores; values and a per-key bias "
+                       "fitted)")
+    parser.add_argument("--self-study", action="store_true", help="Attention Matching: add reference queries from "
+                        "turns the model writes about the context (a summary, its facts, questions and answers)")
+    parser.add_argument("--level", choices=LEVELS, help="KVzip's eviction level (default pair; head: run "
+                        "head-scores first; then no scoring pass)")
+    options.add_questions(parser)
+    parser.add_argument("--instruction", default="none", help="text that opens the user message before the "
+                        'context, kept with the never-evicted prefix: "kvzip" for '
+                        f'{options.KVZIP_INSTRUCTION_QUOTED}, or "none"')
+    options.add_chunk_size(parser, note="also Attention Matching's reference queries")
+    parser.add_argument("--sink", type=int, default=0, help="--level head: first context tokens every dropped head "
+                        "keeps (on top of the ratio)")
+    parser.add_argument("--recent", type=int, default=0, help="--level head: last context tokens every dropped "
+                        "head keeps (on top of the ratio)")
+    parser.add_argument("--save", metavar="DIR", help="write the compressed cache to DIR (atomically, with a "
+                        "manifest); answer from it later with: kvzip-jax ask --cache DIR")
+    parser.add_argument("--overwrite", action="store_true", help="--save: replace an existing DIR")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a "
+                        "terminal)")
+    parser.add_argument("--plot", metavar="PNG", help="write a figure of the kept share per (layer, KV head) and "
+                        "along the context")
+    parser.add_argument("--html", metavar="FILE", help="write the context as HTML, each token shaded by the share of "
+                        "(layer, KV head) pairs that kept it")
+    parser.add_argument("--room", type=int, help="tokens of room after the compressed context (questions, answers, "
+                        "a chat over a saved cache; default: the longest question + --max-new-tokens, at least "
+                        f"{INTERACTIVE_QUESTION_ROOM} + --max-new-tokens when questions come later)")
+    options.add_runtime(parser)
+    parser.set_defaults(handler=run, subparser=parser)

@@ -1,0 +1,63 @@
+"""Options several commands take, each defined once: the model, the questions, the compression method, the reread
+chunk, the task instruction, and the runtime (--dtype, --attention-impl)."""
+
+from __future__ import annotations
+
+from kvzip_jax import dtypes
+from kvzip_jax.prompts import KVZIP_INSTRUCTION, named_instruction
+from pallas_kernels.dispatch import IMPLS
+
+MODEL_HELP = "bundled model name or a model path"
+KVZIP_INSTRUCTION_QUOTED = f'KVzip\'s task instruction ("{KVZIP_INSTRUCTION}")'
+
+
+def add_model(parser, required: bool = True, note: str | None = None) -> None:
+    """--model NAME_OR_PATH; note: what the help adds in parentheses (a default, when it is not required)."""
+    parser.add_argument("--model", required=required, help=MODEL_HELP + (f" ({note})" if note else ""))
+
+
+def add_questions(parser) -> None:
+    """--question (repeatable), --questions FILE and --max-new-tokens (64)."""
+    parser.add_argument("--question", action="append", metavar="Q", help="a question (repeatable)")
+    parser.add_argument("--questions", metavar="FILE", help='JSON list of strings or of {"question", "answer"}')
+    add_max_new_tokens(parser, 64)
+
+
+def add_max_new_tokens(parser, default: int) -> None:
+    """--max-new-tokens: the most tokens an answer may have."""
+    parser.add_argument("--max-new-tokens", type=int, default=default)
+
+
+def add_method(parser, help_text: str | None = None) -> None:
+    """--method: kvzip (default) or one of the Attention Matching methods."""
+    from kvzip_jax.matching import METHODS
+
+    parser.add_argument("--method", choices=("kvzip", *METHODS), default="kvzip", help=help_text)
+
+
+def add_chunk_size(parser, note: str = "") -> None:
+    """--chunk-size, KVzip's reread chunk in tokens; note: what else the help says it sets."""
+    from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
+
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
+                        help=f"KVzip reread chunk (tokens{'; ' + note if note else ''})")
+
+
+def instruction(args) -> str | None:
+    """The task instruction --instruction names (prompts.named_instruction); a usage error when it is blank."""
+    if not args.instruction.strip():
+        args.subparser.error('--instruction is empty; give a text, "kvzip" or "none"')
+    return named_instruction(args.instruction)
+
+
+def add_runtime(parser, saved_dtype_help: str | None = None) -> None:
+    """--dtype and --attention-impl. saved_dtype_help: for commands that answer from a saved cache (ask, chat), whose
+    --dtype defaults to the cache's: its help, and the attention help speaks of decoding only."""
+    if saved_dtype_help is None:
+        parser.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
+                            help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)")
+        impl_help = "decode attention and KVzip's score reduction (auto: Pallas on CUDA GPUs, else XLA)"
+    else:
+        parser.add_argument("--dtype", choices=dtypes.CHOICES, help=saved_dtype_help)
+        impl_help = "decode attention (auto: Pallas on CUDA GPUs, else XLA)"
+    parser.add_argument("--attention-impl", choices=IMPLS, default="auto", help=impl_help)
