@@ -129,6 +129,17 @@ def slot_columns(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Ar
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class ContextSpan:
+    """Where each row's context lies in its cache: slots [prefix_len, prefix_len + context_len), read as `width`
+    columns from prefix_len (static; columns past a row's context_len are padding)."""
+
+    prefix_len: jax.Array  # [B]
+    context_len: jax.Array  # [B]
+    width: int = dataclasses.field(metadata=dict(static=True))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class RereadInputs:
     """The reread inputs of every chunk, built on the host by `reread_inputs`. Arrays [C, B, ...] for C chunks."""
 
@@ -139,6 +150,11 @@ class RereadInputs:
     prefix_len: jax.Array  # [B]
     context_len: jax.Array  # [B]
     chunk_size: int = _static(DEFAULT_CHUNK)
+
+    @property
+    def span(self) -> ContextSpan:
+        """Where the contexts lie, as wide as every chunk together (C m columns)."""
+        return ContextSpan(self.prefix_len, self.context_len, self.chunk_size * self.tokens.shape[0])
 
 
 def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAULT_CHUNK,

@@ -186,32 +186,34 @@ def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadI
     if not config.on_policy:
         return compact_with(queries, cfg, cache, reread, config)
     _check_compactable(cache, queries, config)
-    size, counts, _ = _budget(queries, cfg, cache, reread, config, selecting=False)
+    size, counts, _ = _budget(queries, cfg, cache, reread.span, config, selecting=False)
     if size is None:
         return cache, counts
     return _compact_on_policy(params, cfg, cache, reread, config, probes, counts, size)
 
 
-def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
-                 config: MatchingConfig):
+def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
+                 reread: scoring.RereadInputs | scoring.ContextSpan, config: MatchingConfig):
     """compact from reference queries already captured (one reference pass serves many ratios and methods); every
-    layer's queries come from the full cache (off-policy: MatchingConfig.on_policy needs compact)."""
+    layer's queries come from the full cache (off-policy: MatchingConfig.on_policy needs compact). reread: the
+    contexts' reread inputs, or only where the contexts lie (a ContextSpan: all the fit needs)."""
     if config.on_policy:
         raise ValueError("on-policy compaction runs the model layer by layer: call compact, not compact_with")
     _check_compactable(cache, queries, config)
-    size, counts, attention = _budget(queries, cfg, cache, reread, config, selecting=True)
+    span = reread if isinstance(reread, scoring.ContextSpan) else reread.span
+    size, counts, attention = _budget(queries, cfg, cache, span, config, selecting=True)
     if size is None:
         return cache, counts
     layers = scoring.evictable_layers(cfg)
     q = jnp.stack([queries.q[i] for i in layers])  # [L, B, K, R, H]
-    k, v, bias = _context([cache.layers[i] for i in layers], reread)  # [L, B, K, n, H], bias [L, B, K, n]
+    k, v, bias = _context([cache.layers[i] for i in layers], span)  # [L, B, K, n, H], bias [L, B, K, n]
     rank = None  # OMP selects by itself
     if config.selector == "kvzip":
         rank = queries.kvzip_scores[jnp.asarray(layers)]
     elif config.selector == "hak":
         rank = attention
-    fitted = _fit(q, queries.valid, k, v, bias, reread, rank, counts[jnp.asarray(layers)], size, cfg, config)
-    return _written(cache, reread, layers, fitted), counts
+    fitted = _fit(q, queries.valid, k, v, bias, span, rank, counts[jnp.asarray(layers)], size, cfg, config)
+    return _written(cache, span, layers, fitted), counts
 
 
 def _check_compactable(cache: kv.KVCache, queries: ReferenceQueries | None, config: MatchingConfig) -> None:
@@ -222,44 +224,44 @@ def _check_compactable(cache: kv.KVCache, queries: ReferenceQueries | None, conf
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")
 
 
-def _context(layers: list[kv.LayerCache], reread: scoring.RereadInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The context keys and values of these layers, each [L, B, K, n, H], and their bias [L, B, K, n] (0 where a
-    layer has none)."""
-    n = reread.chunk_size * reread.tokens.shape[0]
-    take = lambda x: scoring.slot_columns(x, reread.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
+def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The context keys and values of these layers, each [L, B, K, n, H] with n = span.width, and their bias
+    [L, B, K, n] (0 where a layer has none)."""
+    n = span.width
+    take = lambda x: scoring.slot_columns(x, span.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
     bias = lambda layer: (jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias)
     return (jnp.stack([take(layer.k) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
             jnp.stack([take(bias(layer)) for layer in layers]))
 
 
-def _per_head(q, valid, k, reread: scoring.RereadInputs):
+def _per_head(q, valid, k, span: scoring.ContextSpan):
     """(key_valid [L, B, K, n], query_valid [L, B, K, R], heads) for queries q [L, B, K, R, H] (valid [B, R]) and keys
     k [L, B, K, n, H]; heads flattens [L, B, K, ...] -> [L B K, ...] for a lax.map over heads."""
     L, B, K, n, _ = k.shape
-    key_valid = jnp.broadcast_to((jnp.arange(n) < reread.context_len[:, None])[None, :, None, :], (L, B, K, n))
+    key_valid = jnp.broadcast_to((jnp.arange(n) < span.context_len[:, None])[None, :, None, :], (L, B, K, n))
     query_valid = jnp.broadcast_to(valid[None, :, None, :], q.shape[:4])
     return key_valid, query_valid, lambda x: x.reshape((L * B * K,) + x.shape[3:])
 
 
-def _attention_scores(q, valid, k, bias, reread: scoring.RereadInputs, cfg: ModelConfig, config: MatchingConfig):
+def _attention_scores(q, valid, k, bias, span: scoring.ContextSpan, cfg: ModelConfig, config: MatchingConfig):
     """HAK's per-key scores [L, B, K, n] of queries q [L, B, K, R, H] (valid [B, R]) over keys k [L, B, K, n, H] with
     their bias [L, B, K, n]."""
     L, B, K, n, _ = k.shape
-    key_valid, query_valid, heads = _per_head(q, valid, k, reread)
+    key_valid, query_valid, heads = _per_head(q, valid, k, span)
     return jax.lax.map(lambda a: attention_key_scores(a[0], a[1], cfg.query_scale, config.aggregate, a[2], a[3],
                                                       a[4]),
                        (heads(q), heads(k), heads(key_valid), heads(query_valid), heads(bias))).reshape(L, B, K, n)
 
 
-def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
+def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, span: scoring.ContextSpan,
             config: MatchingConfig, selecting: bool):
     """(size, counts [L_all, B, K], attention): the most keys of one head (static; None: nothing to compact), every
     layer's count (uncompacted layers count their whole context), and HAK's per-key scores [L, B, K, n] of the
     compacted layers when the budgets rank them or, selecting, the selector does (else None): computed once for
     both."""
     layers = scoring.evictable_layers(cfg)
-    n = reread.chunk_size * reread.tokens.shape[0]
-    full = jnp.broadcast_to(reread.context_len[None, :, None],
+    n = span.width
+    full = jnp.broadcast_to(span.context_len[None, :, None],
                             (cfg.num_layers,) + cache.layers[0].lengths.shape).astype(jnp.int32)
     if config.ratio >= 1.0 or not layers:
         return None, full, None
@@ -270,19 +272,19 @@ def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCach
     attention = None
     if global_by_attention or (selecting and config.selector == "hak"):
         q = jnp.stack([queries.q[i] for i in layers])
-        k, _, bias = _context([cache.layers[i] for i in layers], reread)
-        attention = _attention_scores(q, queries.valid, k, bias, reread, cfg, config)
+        k, _, bias = _context([cache.layers[i] for i in layers], span)
+        attention = _attention_scores(q, queries.valid, k, bias, span, cfg, config)
     scores = None
     if config.budget == "global":
         scores = attention if global_by_attention else queries.kvzip_scores[jnp.asarray(layers)][..., :n]
     elif config.budget == "profile":
         check_profile(config.profile, len(layers), shape[2])
-        scores = profile_scores(jnp.asarray(config.profile, jnp.float32), reread.context_len, n)
-    counts = head_counts(ratio, reread.context_len, shape, config.budget, scores, config.head_cap)  # [L, B, K]
+        scores = profile_scores(jnp.asarray(config.profile, jnp.float32), span.context_len, n)
+    counts = head_counts(ratio, span.context_len, shape, config.budget, scores, config.head_cap)  # [L, B, K]
     return size, full.at[jnp.asarray(layers)].set(counts), attention
 
 
-def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size: int, cfg: ModelConfig,
+def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: int, cfg: ModelConfig,
          config: MatchingConfig):
     """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (with their bias [L, B, K, n]; by rank
     [L, B, K, n], or OMP), then fit their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32
@@ -290,7 +292,7 @@ def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size:
     the smallest static size of budgets.fit_sizes that holds its count (a switch at run time); a fit does not depend
     on its padding, so the ladder only saves work."""
     L, B, K, n, H = k.shape
-    key_valid, query_valid, heads = _per_head(q, valid, k, reread)
+    key_valid, query_valid, heads = _per_head(q, valid, k, span)
     scale = cfg.query_scale
     lower, upper, iters = config.box()
 
@@ -331,11 +333,11 @@ def _fit(q, valid, k, v, bias, reread: scoring.RereadInputs, rank, counts, size:
     return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
 
-def _written(cache: kv.KVCache, reread: scoring.RereadInputs, layers, fitted) -> kv.KVCache:
+def _written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted) -> kv.KVCache:
     """The cache with layers[j] compacted to fitted[...][j] (_fit's outputs)."""
     new_layers = list(cache.layers)
     for j, i in enumerate(layers):
-        new_layers[i] = _compacted_layer(cache.layers[i], reread.prefix_len, reread.context_len,
+        new_layers[i] = _compacted_layer(cache.layers[i], span.prefix_len, span.context_len,
                                          *(x[j] for x in fitted))
     return dataclasses.replace(cache, layers=tuple(new_layers))
 
@@ -354,9 +356,9 @@ def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scor
         if i in compacted:
             observed = [_observed_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid,
                                         QueryObserver(p.rows, p.scorer)) for x, p in zip(streams, passes)]
-            fitted = _fit_layer(cfg, config, size, cache.layers[i], reread, counts[i], [o[0] for o in observed],
+            fitted = _fit_layer(cfg, config, size, cache.layers[i], reread.span, counts[i], [o[0] for o in observed],
                                 [p.valid for p in passes], [o[1] for o, p in zip(observed, passes) if p.scorer])
-            cache = _written(cache, reread, (i,), fitted)
+            cache = _written(cache, reread.span, (i,), fitted)
         if i < cfg.num_layers - 1:
             streams = [_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid)
                        for x, p in zip(streams, passes)]
@@ -376,19 +378,19 @@ def _block(params, cfg: ModelConfig, index: int, x, positions, layer_cache, num_
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.LayerCache, reread, counts,
+def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.LayerCache, span, counts,
                captured, valid, scored):
     """_fit of one layer from its captured queries (per pass [B, K, G, R_i, H], valid [B, R_i]) and, for the kvzip
     selector, its per-chunk KVzip scores [B, K, m] -> fitted arrays with a leading layer axis of 1."""
     q, valid = stack_rows([((c,), v) for c, v in zip(captured, valid)], cfg.group_size)
     q = q[0][None]  # [1, B, K, R, H]
-    k, v, bias = _context([layer], reread)
+    k, v, bias = _context([layer], span)
     rank = None
     if config.selector == "kvzip":
-        rank = scoring.in_context_scores(jnp.concatenate(scored, axis=-1)[None], reread.context_len)
+        rank = scoring.in_context_scores(jnp.concatenate(scored, axis=-1)[None], span.context_len)
     elif config.selector == "hak":
-        rank = _attention_scores(q, valid, k, bias, reread, cfg, config)
-    return _fit(q, valid, k, v, bias, reread, rank, counts[None], size, cfg, config)
+        rank = _attention_scores(q, valid, k, bias, span, cfg, config)
+    return _fit(q, valid, k, v, bias, span, rank, counts[None], size, cfg, config)
 
 
 @jax.jit

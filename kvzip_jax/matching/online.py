@@ -33,8 +33,8 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.errors import ContextTooLongError, UnsupportedArchitectureError
-from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import kept_count
+from kvzip_jax.kvzip.scoring import ContextSpan
 from kvzip_jax.matching.compact import MatchingConfig, compact_with
 from kvzip_jax.matching.queries import Probes, reference_queries
 
@@ -100,23 +100,16 @@ def compact_full(params, cfg: ModelConfig, cache: kv.KVCache, history: Sequence[
     tokens = np.zeros((1, 1, window), np.int32)
     tokens[0, 0, :recent.size] = recent
     probes = Probes(tokens=jnp.asarray(tokens), num_valid=jnp.asarray([[recent.size]], jnp.int32))
-    return _compacted(params, cfg, cache, probes, _segment(keep_prefix, used - keep_prefix - protect,
-                                                            cache.capacity), config)
+    # the slots to compact, read as wide as the cache so every compaction of a cache shares one compilation
+    segment = ContextSpan(prefix_len=jnp.asarray([keep_prefix], jnp.int32),
+                          context_len=jnp.asarray([used - keep_prefix - protect], jnp.int32), width=cache.capacity)
+    return _compacted(params, cfg, cache, probes, segment, config)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 5))
-def _compacted(params, cfg: ModelConfig, cache: kv.KVCache, probes: Probes, segment: scoring.RereadInputs,
+def _compacted(params, cfg: ModelConfig, cache: kv.KVCache, probes: Probes, segment: ContextSpan,
                config: MatchingConfig) -> kv.KVCache:
     roomy = kv.grown(cache, probes.tokens.shape[2])  # the probe runs on top of a full cache
-    queries = reference_queries(params, cfg, roomy, segment, config.sources, config.query_cap, probes=probes)
+    queries = reference_queries(params, cfg, roomy, None, config.sources, config.query_cap, probes=probes)
     compacted, _ = compact_with(queries, cfg, cache, segment, config)
     return kv.defragment(compacted)
-
-
-def _segment(start: int, length: int, width: int) -> scoring.RereadInputs:
-    """RereadInputs that only locate the slots to compact, [start, start + length) of a `width`-slot cache, with no
-    reread tokens (one empty chunk as wide as the cache, so every compaction of a cache shares one compilation)."""
-    one = lambda x: jnp.asarray([x], jnp.int32)
-    return scoring.RereadInputs(tokens=jnp.zeros((1, 1, 1), jnp.int32), num_valid=jnp.zeros((1, 1), jnp.int32),
-                                chunk_start=one(start)[None], chunk_len=one(length)[None], prefix_len=one(start),
-                                context_len=one(length), chunk_size=width)

@@ -96,19 +96,22 @@ class ReferencePass:
     before: kv.KVCache | None = None
 
 
-def reference_passes(cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs, sources: tuple[str, ...],
-                     cap: int, probes: Probes | None = None, with_scores: bool = False) -> list[ReferencePass]:
+def reference_passes(cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs | None,
+                     sources: tuple[str, ...], cap: int, probes: Probes | None = None,
+                     with_scores: bool = False) -> list[ReferencePass]:
     """The passes of the sources, at most `cap` captured rows per KV head and layer in all (split evenly over the
-    sources and their passes); with_scores: repeat passes carry KVzip's scorer."""
+    sources and their passes); with_scores: repeat passes carry KVzip's scorer. reread: None with self-study only."""
     unknown = sorted(set(sources) - set(SOURCES))
     if unknown or not sources:
         raise ValueError(f"sources must be among {SOURCES}, got {sources}")
+    if reread is None and {"repeat", "context"} & set(sources):
+        raise ValueError("the repeat and context sources read the context: give its reread inputs")
     if with_scores and "repeat" not in sources:
         raise ValueError("KVzip's scores come from the repeat pass: add 'repeat' to the sources")
     if "self-study" in sources and probes is None:
         raise ValueError("the self-study source needs probes (matching.self_study.probes)")
     per_source = max(cap // (cfg.group_size * len(sources)), 1)  # token rows per source
-    chunks = reread.tokens.shape[0]
+    chunks = 0 if reread is None else reread.tokens.shape[0]
 
     def on_top(tokens, num_valid, count, scorer=None, positions=None, before=None):
         rows, valid = sample_rows(num_valid, min(count, tokens.shape[1]))
@@ -153,13 +156,14 @@ def _context_chunk(reread: scoring.RereadInputs, t: int) -> jax.Array:
     return jnp.take_along_axis(reread.tokens[t], index, axis=1)
 
 
-def reference_queries(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
+def reference_queries(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs | None,
                       sources: tuple[str, ...] = ("repeat",), cap: int = 8192, with_scores: bool = False,
                       probes: Probes | None = None) -> ReferenceQueries:
     """The reference queries of a cache, at most `cap` rows per KV head and layer, split evenly over the sources and
     their passes. with_scores: KVzip's scores [L, B, K, n] from the repeat pass (needs "repeat"). The repeat and
     context sources read the cache as [prefix | context] per row (scoring.check_context_cache); self-study probes go
-    on top of whatever it holds (online compaction: [prefix | segment | recent tokens]). The cache is left unchanged.
+    on top of whatever it holds (online compaction: [prefix | segment | recent tokens]; reread None when self-study
+    is the only source). The cache is left unchanged.
     """
     passes = reference_passes(cfg, cache, reread, sources, cap, probes, with_scores)
     if {"repeat", "context"} & set(sources):
