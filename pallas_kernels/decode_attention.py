@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .dispatch import MASK_VALUE, KernelInputError
+from . import online_softmax
+from .dispatch import KernelInputError
 from .ragged_decode import ragged_decode
 
 
@@ -116,14 +117,6 @@ def decode_attention_reference(
     )  # [B, K, M, C]
     if bias is not None:
         logits = logits + jnp.where(filled, bias.astype(jnp.float32), 0.0)[:, :, None, :]
-    logits = jnp.where(visible, logits, -jnp.inf)
-    m = logits.max(axis=-1)  # [B, K, M]
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # [B, K, M]
-    p = jnp.exp(logits - m_safe[..., None])  # [B, K, M, C]
-    l = p.sum(axis=-1)  # [B, K, M]
-    nonempty = l > 0  # [B, K, M]
-    l_safe = jnp.where(nonempty, l, 1.0)  # [B, K, M]
-    out = jnp.einsum("BKMC,BKCH->BKMH", p, v32, precision=jax.lax.Precision.HIGHEST) / l_safe[..., None]
-    out = jnp.where(nonempty[..., None], out, 0.0)  # [B, K, M, H]
-    lse = jnp.where(nonempty, m_safe + jnp.log(l_safe), MASK_VALUE)  # [B, K, M]
-    return out, lse
+    m, p = online_softmax.exp_from_row_max(jnp.where(visible, logits, -jnp.inf))  # [B, K, M], [B, K, M, C]
+    o = jnp.einsum("BKMC,BKCH->BKMH", p, v32, precision=jax.lax.Precision.HIGHEST)  # [B, K, M, H]
+    return online_softmax.finish(m, p.sum(axis=-1), o)

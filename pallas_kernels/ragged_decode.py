@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from . import online_softmax
 from .dispatch import (
     MASK_VALUE,
     KernelInputError,
@@ -233,10 +234,7 @@ def _ragged_decode_pallas(q, k, v, offsets, lengths, bias, *, scale, num_tokens,
     weight = jnp.exp(m - m_max)  # [NS, B, K, Mp]
     l_sum = (l * weight).sum(axis=0)  # [B, K, Mp]
     o_sum = (o * weight[..., None]).sum(axis=0)  # [B, K, Mp, H]
-    nonempty = l_sum > 0  # [B, K, Mp]
-    l_safe = jnp.where(nonempty, l_sum, 1.0)  # [B, K, Mp]
-    out = jnp.where(nonempty[..., None], o_sum / l_safe[..., None], 0.0)  # [B, K, Mp, H]
-    lse = jnp.where(nonempty, m_max + jnp.log(l_safe), MASK_VALUE)  # [B, K, Mp]
+    out, lse = online_softmax.finish(m_max, l_sum, o_sum)  # [B, K, Mp, H], [B, K, Mp]
     return out[:, :, :rows], lse[:, :, :rows]
 
 
@@ -271,14 +269,6 @@ def ragged_decode_reference(
     )  # [B, K, M, S]
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)[:, None, None, :]
-    logits = jnp.where(visible, logits, -jnp.inf)
-    m = logits.max(axis=-1)  # [B, K, M]
-    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)  # [B, K, M]
-    p = jnp.exp(logits - m_safe[..., None])  # [B, K, M, S]
-    l = p.sum(axis=-1)  # [B, K, M]
-    nonempty = l > 0  # [B, K, M]
-    l_safe = jnp.where(nonempty, l, 1.0)  # [B, K, M]
-    out = jnp.einsum("BKMS,BSH->BKMH", p, v32, precision=jax.lax.Precision.HIGHEST) / l_safe[..., None]
-    out = jnp.where(nonempty[..., None], out, 0.0)  # [B, K, M, H]
-    lse = jnp.where(nonempty, m_safe + jnp.log(l_safe), MASK_VALUE)  # [B, K, M]
-    return out, lse
+    m, p = online_softmax.exp_from_row_max(jnp.where(visible, logits, -jnp.inf))  # [B, K, M], [B, K, M, S]
+    o = jnp.einsum("BKMS,BSH->BKMH", p, v32, precision=jax.lax.Precision.HIGHEST)  # [B, K, M, H]
+    return online_softmax.finish(m, p.sum(axis=-1), o)
