@@ -139,6 +139,21 @@ def test_refined_compaction_moves_only_beta_and_values_of_kept_slots(setup):
         assert np.isfinite(np.asarray(b.bias)).all() and np.isfinite(np.asarray(b.v)).all()
 
 
+def test_without_the_bias_fit_the_compacted_cache_carries_and_counts_no_bias(setup):
+    """fit_bias=False: the compacted layers carry no bias (refined or not), their bytes are the kept pairs' alone,
+    and same_bytes keeps floor(ratio x context) per head (no bias bytes to make room for)."""
+    cfg, params, cache, reread = setup
+    config = matching.MatchingConfig(ratio=0.3, budget="uniform", fit_bias=False)
+    closed, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
+    refined, _ = jax.jit(matching.compact)(params, cfg, cache, reread, dataclasses.replace(config, refine_steps=20))
+    np.testing.assert_array_equal(np.asarray(counts)[0, :, 0], np.asarray(kept_count(0.3, reread.context_len)))
+    pair = 2 * cfg.head_dim * cache.layers[0].k.dtype.itemsize
+    for out in (closed, refined):
+        assert all(layer.bias is None for layer in out.layers)
+        assert kv.used_bytes(out) == int(np.asarray(kv.kept_per_head(out)).sum()) * pair
+    assert not np.allclose(np.asarray(closed.layers[0].v), np.asarray(refined.layers[0].v), atol=1e-6)
+
+
 def test_one_head_of_compact_equals_the_numpy_oracle(setup):
     """The whole closed-form compaction of one head, written out in numpy: HAK (rms over the reference queries'
     attention) picks the uniform count of keys, then the float64 fit (tests/test_matching.py's oracle) gives the bias

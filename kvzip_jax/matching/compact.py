@@ -17,7 +17,8 @@ Budgets (budgets.py) are uniform, global, or a model's searched profile. `same_b
 per kept pair: a ratio keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at
 H = 64 in float32), so the compacted context pairs take about the bytes of the evicted ones at the same ratio (to within
 the rounding of two integer budgets). The bias is stored per slot of a compacted layer, so the never-compacted prefix
-and the tokens after the context pay its 4 bytes too (cache.used_bytes counts them).
+and the tokens after the context pay its 4 bytes too (cache.used_bytes counts them). Without the bias fit
+(fit_bias=False) the compaction adds no bias: the cache keeps the one it had, if any, and a ratio keeps its pairs.
 
 `compact` runs the reference pass and the fit; a sweep runs `reference_queries` once per context and
 `compact_with` per ratio and method.
@@ -95,7 +96,8 @@ class MatchingConfig:
     refine_steps: Adam steps (matching.refine) on beta and C_v from the closed form, per head (0: none).
     value_ridge: the value fit's ridge towards the kept keys' own values, relative to the mean diagonal of its normal
     equations (fit.RIDGE: a least-squares fit; large: the kept values themselves, only beta fitted).
-    fit_bias: fit beta to the attention mass (False: beta = 0, only the values fitted; an ablation).
+    fit_bias: fit beta to the attention mass (False: beta = 0, only the values fitted and refined, and the compacted
+    cache carries no bias of its own; an ablation).
     """
 
     ratio: float = 0.1
@@ -165,8 +167,8 @@ def method_config(method: str, ratio: float, model: str | None = None, **choices
 
 
 def effective_ratio(config: MatchingConfig, cache: kv.KVCache) -> float:
-    """The ratio of pairs kept: config.ratio, less the bias' bytes when same_bytes."""
-    if not config.same_bytes:
+    """The ratio of pairs kept: config.ratio, less the bias' bytes when same_bytes and the fit adds a bias."""
+    if not config.same_bytes or not config.fit_bias:
         return config.ratio
     layer = cache.layers[0]
     pair = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
@@ -213,7 +215,7 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     elif config.selector == "hak":
         rank = attention
     fitted = _fit(q, queries.valid, k, v, bias, span, rank, counts[jnp.asarray(layers)], size, cfg, config)
-    return _written(cache, span, layers, fitted), counts
+    return _written(cache, span, layers, fitted, config.fit_bias), counts
 
 
 def _check_compactable(cache: kv.KVCache, queries: ReferenceQueries | None, config: MatchingConfig) -> None:
@@ -308,9 +310,10 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
         c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
                                   lower=lower, upper=upper, iters=iters, value_ridge=config.value_ridge,
                                   key_bias=b_h)
-        if config.refine_steps:  # keys stay at their slots: only beta and C_v move
+        if config.refine_steps:  # keys stay at their slots: only beta (when fitted) and C_v move
             _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
-                                          active=active, steps=config.refine_steps, key_bias=b_h)
+                                          active=active, steps=config.refine_steps, train_bias=config.fit_bias,
+                                          key_bias=b_h)
         pad = lambda x: jnp.pad(x, [(0, size - t)] + [(0, 0)] * (x.ndim - 1))  # [t, ...] -> [S, ...]
         return pad(selected.astype(jnp.int32)), pad(active), pad(beta), pad(c_v)
 
@@ -333,12 +336,14 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
     return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
 
-def _written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted) -> kv.KVCache:
-    """The cache with layers[j] compacted to fitted[...][j] (_fit's outputs)."""
+def _written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted, with_bias: bool) -> kv.KVCache:
+    """The cache with layers[j] compacted to fitted[...][j] (_fit's outputs); without with_bias the fitted beta (the
+    kept keys' own bias, if any, when beta is not fitted) is not written and each layer keeps the bias it had."""
+    selected, active, beta, c_v = fitted
     new_layers = list(cache.layers)
     for j, i in enumerate(layers):
-        new_layers[i] = _compacted_layer(cache.layers[i], span.prefix_len, span.context_len,
-                                         *(x[j] for x in fitted))
+        new_layers[i] = _compacted_layer(cache.layers[i], span.prefix_len, span.context_len, selected[j], active[j],
+                                         beta[j] if with_bias else None, c_v[j])
     return dataclasses.replace(cache, layers=tuple(new_layers))
 
 
@@ -358,7 +363,7 @@ def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scor
                                         QueryObserver(p.rows, p.scorer)) for x, p in zip(streams, passes)]
             fitted = _fit_layer(cfg, config, size, cache.layers[i], reread.span, counts[i], [o[0] for o in observed],
                                 [p.valid for p in passes], [o[1] for o, p in zip(observed, passes) if p.scorer])
-            cache = _written(cache, reread.span, (i,), fitted)
+            cache = _written(cache, reread.span, (i,), fitted, config.fit_bias)
         if i < cfg.num_layers - 1:
             streams = [_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid)
                        for x, p in zip(streams, passes)]
@@ -396,7 +401,8 @@ def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.La
 @jax.jit
 def _compacted_layer(layer: kv.LayerCache, prefix_len, context_len, selected, active, beta, c_v) -> kv.LayerCache:
     """The layer with its context slots masked but for the selected ones [B, K, S], which take the fitted values
-    c_v [B, K, S, H] and the bias beta [B, K, S] (other slots keep the bias they had, if any)."""
+    c_v [B, K, S, H] and the bias beta [B, K, S] (other slots keep the bias they had, if any; beta None: the layer
+    keeps its bias, or none)."""
     B, K, C, _ = layer.k.shape
     slots = jnp.arange(C, dtype=jnp.int32)  # [C]
     in_context = (slots >= prefix_len[:, None]) & (slots < (prefix_len + context_len)[:, None])  # [B, C]
@@ -404,6 +410,8 @@ def _compacted_layer(layer: kv.LayerCache, prefix_len, context_len, selected, ac
     batch, head = jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None]
     keep = jnp.broadcast_to(~in_context[:, None, :], (B, K, C)).at[batch, head, target].set(True, mode="drop")
     values = layer.v.at[batch, head, target].set(c_v.astype(layer.v.dtype), mode="drop")
+    if beta is None:
+        return dataclasses.replace(layer, v=values, keep=keep)
     bias = jnp.zeros((B, K, C), jnp.float32) if layer.bias is None else layer.bias
     bias = bias.at[batch, head, target].set(beta, mode="drop")
     return dataclasses.replace(layer, v=values, keep=keep, bias=bias)

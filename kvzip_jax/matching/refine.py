@@ -5,9 +5,9 @@ local optimum of the matching objective, and what the extra steps cost.
 
 The objective is the one the closed form fits in two stages, on the same reference queries: the relative squared
 error of the attention output plus the squared error of the log attention mass (lse), both over the valid queries;
-Adam (optax) moves beta and C_v (and C_k with train_keys) from the closed-form start. losses [steps + 1] is the
-objective before each step and after the last, so losses[0] is the closed form's own. MatchingConfig.refine_steps
-runs it on every compacted head.
+Adam (optax) moves beta (unless train_bias=False) and C_v (and C_k with train_keys) from the closed-form start.
+losses [steps + 1] is the objective before each step and after the last, so losses[0] is the closed form's own.
+MatchingConfig.refine_steps runs it on every compacted head.
 
 Einsum legend: N reference queries, T block keys, S kept keys, H head dim.
 """
@@ -45,11 +45,12 @@ def matching_loss(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, query_v
 
 
 def refine_head(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, *, query_valid=None, active=None,
-                steps: int = 300, learning_rate: float = 1e-2, train_keys: bool = False, key_bias=None):
+                steps: int = 300, learning_rate: float = 1e-2, train_keys: bool = False, train_bias: bool = True,
+                key_bias=None):
     """(c_k, beta, c_v, losses [steps + 1]) after `steps` Adam steps on matching_loss from the given start. Inactive
     kept slots (active False) stay as they were. key_bias [T]: the block's own bias, as in matching_loss."""
-    trainable = {"beta": beta, "c_v": c_v} | ({"c_k": c_k} if train_keys else {})
-    loss_of = lambda p: matching_loss(q, k, v, p.get("c_k", c_k), p["beta"], p["c_v"], scale, key_valid,
+    trainable = {"c_v": c_v} | ({"beta": beta} if train_bias else {}) | ({"c_k": c_k} if train_keys else {})
+    loss_of = lambda p: matching_loss(q, k, v, p.get("c_k", c_k), p.get("beta", beta), p["c_v"], scale, key_valid,
                                       query_valid, active, key_bias=key_bias)
     optimizer = optax.adam(learning_rate)
 
@@ -64,4 +65,4 @@ def refine_head(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, *, query_
     if active is not None:  # dropped slots keep their (ignored) start values
         params = {name: jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 1)), x, trainable[name])
                   for name, x in params.items()}
-    return params.get("c_k", c_k), params["beta"], params["c_v"], losses
+    return params.get("c_k", c_k), params.get("beta", beta), params["c_v"], losses
