@@ -6,11 +6,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvzip_jax.eval.tasks import haystack, words
+from kvzip_jax.eval.tasks import haystack, labelled_numbers, words
 from kvzip_jax.eval.tasks.base import Example
 
 TASK = "multi_needle"
 NUM_NEEDLES = 4
+NEEDLE = "The special magic number for {label} is {number}."
+QUESTION = "What is the special magic number for {label}? Answer with the number only."
 
 
 def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
@@ -18,8 +20,5 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     """A haystack of about context_tokens tokens with NUM_NEEDLES magic numbers of distinct cities, one per stratum
     of depth; a question per city."""
     cities = words.pick(rng, words.CITIES, NUM_NEEDLES)
-    numbers = [str(number) for number in words.distinct_numbers(rng, 7, NUM_NEEDLES)]
-    needles = [f"The special magic number for {city} is {number}." for city, number in zip(cities, numbers)]
-    context = haystack.plant(rng, needles, context_tokens, count_tokens)
-    questions = tuple(f"What is the special magic number for {city}? Answer with the number only." for city in cities)
-    return Example(TASK, example_id, context, questions, tuple((number,) for number in numbers), "inclusion", 32)
+    return labelled_numbers.example(rng, TASK, example_id, context_tokens, count_tokens, cities, 7, NEEDLE, QUESTION,
+                                    max_new_tokens=32)

@@ -6,11 +6,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvzip_jax.eval.tasks import haystack, words
+from kvzip_jax.eval.tasks import haystack, labelled_numbers, words
 from kvzip_jax.eval.tasks.base import Example
 
 TASK = "passkey"
 NUM_KEYS = 4
+NEEDLE = "The pass key for the {label} door is {number}."
+QUESTION = "What is the pass key for the {label} door? Answer with the number only."
 
 
 def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
@@ -18,8 +20,5 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
     """A haystack of about context_tokens tokens with NUM_KEYS pass keys, one per stratum of depth; a question per
     key."""
     colours = words.pick(rng, words.COLOURS, NUM_KEYS)
-    keys = [str(key) for key in words.distinct_numbers(rng, 5, NUM_KEYS)]
-    needles = [f"The pass key for the {colour} door is {key}." for colour, key in zip(colours, keys)]
-    context = haystack.plant(rng, needles, context_tokens, count_tokens)
-    questions = tuple(f"What is the pass key for the {colour} door? Answer with the number only." for colour in colours)
-    return Example(TASK, example_id, context, questions, tuple((key,) for key in keys), "inclusion", 16)
+    return labelled_numbers.example(rng, TASK, example_id, context_tokens, count_tokens, colours, 5, NEEDLE, QUESTION,
+                                    max_new_tokens=16)
