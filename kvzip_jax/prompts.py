@@ -9,7 +9,11 @@
 
 The layout comes from the tokenizer's chat template, rendered once around a marker in place of the user message.
 A tokenizer without a template (Gemma 3 base) gets a plain layout: [BOS | system "\\n\\n" | context | question |
-"\\n\\nAnswer:"].
+"\\n\\nAnswer:"]. A base model (not instruction-tuned; weights.registry.BASE_MODELS) is asked with completion=True,
+whatever template its tokenizer carries: [BOS | system "\\n\\n" | context | "\\n\\nQuestion: " + question |
+"\\nAnswer:"], the answer ending at a newline (stop_token_ids(..., completion=True)): a text a pretrained model
+continues with the answer, where it continues the plain layout with more questions of its own. KVzip's reread keeps
+the default layout.
 
 Each segment is tokenized on its own and the ids are concatenated, so boundaries are exact, and every build checks
 that the ids decode to exactly the template's rendering. Merge caveat: tokenizing the whole rendering at once can
@@ -37,6 +41,9 @@ QUESTION_SEPARATOR = "\n\n"
 INSTRUCTION_SEPARATOR = "\n\n"
 KVZIP_INSTRUCTION = "Given the context, answer to the following question or request without explanation."
 PLAIN_ANSWER_HEADER = "\n\nAnswer:"
+COMPLETION_QUESTION_LEAD = "\n\nQuestion: "
+COMPLETION_ANSWER_HEADER = "\nAnswer:"
+COMPLETION_STOPS = ("\n", "\n\n")  # an answer to a completion prompt ends at the end of its line
 REREAD_FIRST_CHUNK = "Repeat the previous context exactly."
 REREAD_NEXT_CHUNK = "Repeat the part of the previous context exactly, starting with "
 _USER_MESSAGE_MARKER = "\x00kvzip-user-message\x00"
@@ -85,10 +92,11 @@ class Prompt:
 
 @dataclasses.dataclass(frozen=True)
 class ChatLayout:
-    """The text a chat template puts around the user message."""
+    """The text a chat template puts around the user message, and what leads a question in it."""
 
     prefix: str
     answer_header: str
+    question_lead: str = QUESTION_SEPARATOR
 
 
 def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -98,11 +106,14 @@ def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
     return bos is not None and tokenizer("a", add_special_tokens=True)["input_ids"][:1] == [bos]
 
 
-def chat_layout(tokenizer: PreTrainedTokenizerBase, system: str | None = None) -> ChatLayout:
-    """Renders the tokenizer's chat template around a marker; the plain layout when it has no template."""
-    if tokenizer.chat_template is None:
-        bos = tokenizer.bos_token if _adds_bos(tokenizer) else ""
-        return ChatLayout(prefix=bos + (system + "\n\n" if system else ""), answer_header=PLAIN_ANSWER_HEADER)
+def chat_layout(tokenizer: PreTrainedTokenizerBase, system: str | None = None, completion: bool = False) -> ChatLayout:
+    """Renders the tokenizer's chat template around a marker; the plain layout when it has no template; the
+    completion layout (a base model's) with completion=True."""
+    if completion or tokenizer.chat_template is None:
+        prefix = (tokenizer.bos_token if _adds_bos(tokenizer) else "") + (system + "\n\n" if system else "")
+        if completion:
+            return ChatLayout(prefix, COMPLETION_ANSWER_HEADER, COMPLETION_QUESTION_LEAD)
+        return ChatLayout(prefix, PLAIN_ANSWER_HEADER)
     rendered = _render(tokenizer, _USER_MESSAGE_MARKER, system)
     if rendered.count(_USER_MESSAGE_MARKER) != 1:
         raise KvzipError("the chat template does not place the user message exactly once; cannot find the layout")
@@ -123,20 +134,21 @@ def named_instruction(value: str | None) -> str | None:
 
 def build_prompt(
     tokenizer: PreTrainedTokenizerBase, context: str, question: str | None = None, system: str | None = None,
-    instruction: str | None = None,
+    instruction: str | None = None, completion: bool = False,
 ) -> Prompt:
     """Lays out [prefix | context | question | answer header]; the user message is [instruction + "\\n\\n"] +
     context + "\\n\\n" + question.
 
     system replaces the template's default system prompt (None keeps the default). instruction (e.g.
     KVZIP_INSTRUCTION, which KVzip puts before every context) opens the user message and belongs to the prefix, so
-    it is never evicted; None: no instruction. Raises EmptyInputError on an empty context, question or instruction,
-    KvzipError when the template alters the message or the ids do not decode to it.
+    it is never evicted; None: no instruction. completion: a base model's completion layout, no chat template.
+    Raises EmptyInputError on an empty context, question or instruction, KvzipError when the template alters the
+    message or the ids do not decode to it.
     """
     context = _stripped(context, "context")
-    question_text = "" if question is None else QUESTION_SEPARATOR + _stripped(question, "question")
+    layout = chat_layout(tokenizer, system, completion)
+    question_text = "" if question is None else layout.question_lead + _stripped(question, "question")
     lead = "" if instruction is None else _stripped(instruction, "instruction") + INSTRUCTION_SEPARATOR
-    layout = chat_layout(tokenizer, system)
     segments = (
         _encode(tokenizer, layout.prefix, parse_special_tokens=True),
         encode_text(tokenizer, lead),
@@ -146,7 +158,8 @@ def build_prompt(
     )
     user_message = lead + context + question_text
     expected_text = layout.prefix + user_message + layout.answer_header
-    if tokenizer.chat_template is not None and _render(tokenizer, user_message, system) != expected_text:
+    templated = not completion and tokenizer.chat_template is not None
+    if templated and _render(tokenizer, user_message, system) != expected_text:
         raise KvzipError("the chat template alters the user message, so segment boundaries would not be exact")
     tokens = _checked_concatenation(tokenizer, segments, expected_text)
     ends = np.cumsum([len(segment) for segment in segments])
@@ -154,21 +167,27 @@ def build_prompt(
     return Prompt(tuple(tokens.tolist()), context_start, context_end, question_end)
 
 
-def question_suffix(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None) -> np.ndarray:
+def question_suffix(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None,
+                    completion: bool = False) -> np.ndarray:
     """[question | end of user turn | answer header] ids, int32 [T], to append after a [prefix | context] cache.
 
-    Equal to the tokens after the context in build_prompt(tokenizer, context, question, system).
+    Equal to the tokens after the context in build_prompt(tokenizer, context, question, system, completion=...).
     """
-    question_text = QUESTION_SEPARATOR + _stripped(question, "question")
-    answer_header = chat_layout(tokenizer, system).answer_header
+    layout = chat_layout(tokenizer, system, completion)
+    question_text = layout.question_lead + _stripped(question, "question")
+    answer_header = layout.answer_header
     segments = (encode_text(tokenizer, question_text), _encode(tokenizer, answer_header, parse_special_tokens=True))
     return _checked_concatenation(tokenizer, segments, question_text + answer_header)
 
 
-def follow_up(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None) -> np.ndarray:
+def follow_up(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None,
+              completion: bool = False) -> np.ndarray:
     """[end of the assistant turn | next user turn: question | answer header] ids, int32 [T], to append after an
     answer (its stop token emitted, not fed) so that a conversation goes on: the chat template rendered around
-    markers for an earlier answer and the next message, as chat_layout does for one turn."""
+    markers for an earlier answer and the next message, as chat_layout does for one turn. With completion=True, one
+    more question of the completion layout (question_suffix)."""
+    if completion:
+        return question_suffix(tokenizer, question, system, completion=True)
     question = _stripped(question, "question")
     if tokenizer.chat_template is None:
         between, header = QUESTION_SEPARATOR, PLAIN_ANSWER_HEADER
@@ -189,13 +208,13 @@ def follow_up(tokenizer: PreTrainedTokenizerBase, question: str, system: str | N
 
 def split_for_reuse(
     tokenizer: PreTrainedTokenizerBase, context: str, questions: Sequence[str], system: str | None = None,
-    instruction: str | None = None,
+    instruction: str | None = None, completion: bool = False,
 ) -> tuple[Prompt, list[np.ndarray]]:
     """The [prefix | context] part to prefill once (a Prompt whose question and answer header are empty) and,
-    per question, the suffix ids to append to that cache. system and instruction as in build_prompt."""
-    full = build_prompt(tokenizer, context, system=system, instruction=instruction)
+    per question, the suffix ids to append to that cache. system, instruction and completion as in build_prompt."""
+    full = build_prompt(tokenizer, context, system=system, instruction=instruction, completion=completion)
     context_part = Prompt(full.tokens[: full.context_end], full.context_start, full.context_end, full.context_end)
-    return context_part, [question_suffix(tokenizer, question, system) for question in questions]
+    return context_part, [question_suffix(tokenizer, question, system, completion) for question in questions]
 
 
 def reread_suffix(
@@ -245,9 +264,13 @@ def _checked_concatenation(
     return tokens
 
 
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """Tokens that end an answer: the tokenizer's EOS and the chat templates' end-of-turn markers it knows."""
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, completion: bool = False) -> tuple[int, ...]:
+    """Tokens that end an answer: the tokenizer's EOS and the chat templates' end-of-turn markers it knows; with
+    completion=True also its one-token newlines (COMPLETION_STOPS), where an answer to a completion prompt ends."""
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     vocab = tokenizer.get_vocab()
     ids.update(vocab[marker] for marker in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>") if marker in vocab)
+    if completion:
+        newlines = [encode_text(tokenizer, text) for text in COMPLETION_STOPS]
+        ids.update(int(newline[0]) for newline in newlines if len(newline) == 1)
     return tuple(sorted(ids))

@@ -34,6 +34,8 @@ share.
       one replica over every process's devices (jax.distributed.initialize first); every process runs every batch,
       process 0 writes DIR/results.jsonl and the summary
 
+On a base model (weights.registry.BASE_MODELS) compress, ask and chat say so in one line and ask each question as a
+plain completion prompt (prompts: "Question: ...", "Answer:", ending at a newline), not through a chat template.
 Errors kvzip-jax raises on purpose (kvzip_jax.errors) print as one line and exit with code 2.
 """
 

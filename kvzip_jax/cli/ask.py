@@ -21,9 +21,10 @@ def run(args: argparse.Namespace) -> int:
     context = meta.get("context", {}).get("tokens", "?")
     print(f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "
           f"{time.perf_counter() - start:.1f} s, no prefill or scoring; KV cache bytes: {common.cache_bytes(cache)}")
+    completion = common.asks_by_completion(model)
     for question in questions if questions is not None else list(common.stdin_questions()):
         try:
-            cache = common.answer(model, cache, question, None, args.max_new_tokens)
+            cache = common.answer(model, cache, question, None, args.max_new_tokens, completion)
         except KvzipError as e:  # a question too long for the room the cache was saved with
             print(f"kvzip-jax ask: error: {e}", file=sys.stderr)
     return 0

@@ -14,8 +14,8 @@ STREAM_STEP = 4  # tokens decoded between two prints of a streamed answer
 
 
 def _compressed_document(args: argparse.Namespace):
-    """(model, cache): --cache loaded as saved, or --context prefilled and compressed now with room for --room
-    tokens of conversation."""
+    """(model, cache, whether it is asked by completion): --cache loaded as saved, or --context prefilled and
+    compressed now with room for --room tokens of conversation."""
     import jax
 
     from kvzip_jax import cache as kv
@@ -25,13 +25,14 @@ def _compressed_document(args: argparse.Namespace):
     if args.cache is not None:
         model, cache, _ = common.load_saved(args)
         print(f"loaded the cache of {args.cache}: no prefill, no scoring")
-        return model, cache
+        return model, cache, common.asks_by_completion(model)
     if args.ratio is None:
         args.subparser.error("--context needs --ratio")
     document = common.read_context(args.context)
     args.dtype = args.dtype or "auto"
     model = common.load_model(args)
-    context, _ = prompts.split_for_reuse(model.tokenizer, document, [])
+    completion = common.asks_by_completion(model)
+    context, _ = prompts.split_for_reuse(model.tokenizer, document, [], completion=completion)
     on_chunk, done = common.progress(args, "prefill")
     _, full = gen.prefill(model.params, model.cfg, [context.ids()], on_chunk=on_chunk)
     done()
@@ -40,7 +41,7 @@ def _compressed_document(args: argparse.Namespace):
     cache = kv.pack(masked, args.room)
     jax.block_until_ready(cache)
     print(f"{len(context)} tokens prefilled; {args.method} at ratio {args.ratio}: {how}")
-    return model, cache
+    return model, cache, completion
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,9 +52,9 @@ def run(args: argparse.Namespace) -> int:
         args.subparser.error("give --context FILE (compressed now) or --cache DIR (saved by compress --save)")
     if args.max_new_tokens < 1 or args.room < 1:
         args.subparser.error("--max-new-tokens and --room must be >= 1")
-    model, cache = _compressed_document(args)
+    model, cache, completion = _compressed_document(args)
     print(f"KV cache bytes: {common.cache_bytes(cache)}\n{CHAT_HELP}", flush=True)
-    stops = prompts.stop_token_ids(model.tokenizer)
+    stops = prompts.stop_token_ids(model.tokenizer, completion)
     start, turns = kv.mark(cache), 0
     while True:
         try:
@@ -81,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         turn = prompts.question_suffix if turns == 0 else prompts.follow_up
         before = kv.mark(cache)
         try:
-            cache = _stream_answer(model, cache, turn(model.tokenizer, line), args.max_new_tokens, stops)
+            ids = turn(model.tokenizer, line, completion=completion)
+            cache = _stream_answer(model, cache, ids, args.max_new_tokens, stops)
             turns += 1
         except KvzipError as e:  # the turn does not fit the room left
             cache = kv.rewind(cache, before)

@@ -102,6 +102,18 @@ def load_saved(args: argparse.Namespace):
     return model, cache, meta
 
 
+def asks_by_completion(model) -> bool:
+    """Whether questions to the model take the completion layout (prompts: a base model, registry.BASE_MODELS);
+    says so in one line when they do."""
+    from kvzip_jax.weights import registry
+
+    if model.name not in registry.BASE_MODELS:
+        return False
+    print(f"{model.name} is a base model (not instruction-tuned): questions are asked as a plain completion prompt; "
+          "expect weak answers", flush=True)
+    return True
+
+
 def evict(args: argparse.Namespace, model, cache, context, head_scores):
     """(masked cache, how it was made): KVzip scoring, the saved head scores for --level head, or an Attention
     Matching compaction (a masked cache whose kept slots carry fitted values and a per-key bias)."""
@@ -142,14 +154,15 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
     return masked, "scored and evicted"
 
 
-def answer(model, cache, question: str, suffix, max_new_tokens: int):
-    """Answers one question from the cache (appended, answered, dropped again); prints it. Returns the cache."""
+def answer(model, cache, question: str, suffix, max_new_tokens: int, completion: bool):
+    """Answers one question from the cache (appended, answered, dropped again); prints it. suffix: the question's
+    ids (None: laid out here, as a completion prompt if completion). Returns the cache."""
     from kvzip_jax import generate as gen
     from kvzip_jax import prompts
 
     start = time.perf_counter()
-    stops = prompts.stop_token_ids(model.tokenizer)
-    suffix = prompts.question_suffix(model.tokenizer, question) if suffix is None else suffix
+    stops = prompts.stop_token_ids(model.tokenizer, completion)
+    suffix = prompts.question_suffix(model.tokenizer, question, completion=completion) if suffix is None else suffix
     answer_ids, cache = gen.ask(model.params, model.cfg, cache, suffix, max_new_tokens, stop_tokens=stops)
     text = model.tokenizer.decode([t for t in answer_ids if t not in stops]).strip()
     seconds = time.perf_counter() - start

@@ -56,10 +56,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     model = common.load_model(args)
     print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
+    completion = common.asks_by_completion(model)
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
     if args.method in matching.METHODS:  # a missing budget profile named before the prefill
         matching.method_config(args.method, args.ratio, model.name)
-    context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [], instruction=instruction)
+    context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [], instruction=instruction,
+                                                completion=completion)
     # What the cache, the scores and a chunk's work need beside the loaded params: MemoryPlanError before allocating.
     memory.check(memory_plan.plan(model.cfg, dtypes.of_params(model.params), len(context), with_params=False))
 
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     pending = zip(questions, suffixes) if questions is not None else ((q, None) for q in common.stdin_questions())
     for question, suffix in pending:
         try:
-            compressed = common.answer(model, compressed, question, suffix, args.max_new_tokens)
+            compressed = common.answer(model, compressed, question, suffix, args.max_new_tokens, completion)
         except KvzipError as e:  # a question too long for the room left: report it, take the next one
             if questions is not None:
                 raise

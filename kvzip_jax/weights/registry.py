@@ -28,6 +28,7 @@ from kvzip_jax.weights.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
 
 SMOLLM2, QWEN, GEMMA = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m"
 BUNDLED = (SMOLLM2, QWEN, GEMMA)
+BASE_MODELS = frozenset({GEMMA})  # pretrained only, not instruction-tuned: asked with a completion prompt
 GGUF_CACHE = "_gguf"
 
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
