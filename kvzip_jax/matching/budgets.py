@@ -7,7 +7,7 @@
             budgets come from an offline per-model search we do not have, so a per-key score stands in. As in the
             paper, a head keeps at most `head_cap` (0.75) of its context keys, and never less than one above its
             uniform count (so the row's budget always fits); the cap of the longest row fixes the static size of
-            the fit. Which score and cap decide the KL at 20x (README, Attention Matching against KVzip).
+            the fit. Which score and cap decide the KL at 20x (docs/attention_matching.md).
   profile   each head a fixed share of the row's budget, searched offline per model as the paper's are
             (studies/budget_search/budget_search.py, stored in kvzip_jax/data/head_budgets/<model>.json): the global
             top-k over scores share / (rank + 1/2), so the counts are proportional to the shares, exact in total, and

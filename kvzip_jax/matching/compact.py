@@ -68,9 +68,9 @@ SELECTORS = ("hak", "omp", "kvzip")
 BUDGET_SCORES = ("kvzip", "attention")
 # method name -> its MatchingConfig choices; "-op": on-policy (layer-sequential) compaction. kvzip-am is KVzip's
 # selection and budgets with the AM fit; am-hak-kb is HAK's keys within KVzip's own per-head budgets (no head cap:
-# what KVzip's pair-level top-k keeps per head), the variant that holds at mild ratios (README); the others take
-# budgets from the reference queries' attention; am-hak-pb takes the model's searched budget profile (budgets.py;
-# Qwen2.5-Coder-0.5B's, searched at 0.02, loses to am-hak: README).
+# what KVzip's pair-level top-k keeps per head), the variant that holds at mild ratios; the others take budgets from
+# the reference queries' attention; am-hak-pb takes the model's searched budget profile (budgets.py;
+# Qwen2.5-Coder-0.5B's, searched at 0.02, loses to am-hak). Figures: docs/attention_matching.md.
 KVZIP_AM = dict(selector="kvzip", budget_scores="kvzip")
 METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": KVZIP_AM,
            "am-hak-kb": dict(selector="hak", budget_scores="kvzip", head_cap=1.0),

@@ -17,7 +17,7 @@ total: at another ratio the heads keep the same shares (capped at 0.75 of a head
 Contexts: the generated tasks (multi_needle, niah, passkey, variable_tracking) with --seed 0, the first question of
 each; the held-out sweep judges on --seed 1. The 48 bundled questions are never used.
 
-Outcome on Qwen2.5-Coder-0.5B (README, Attention Matching against KVzip): the additive optimum gave all the budget to
+Outcome on Qwen2.5-Coder-0.5B (docs/attention_matching.md): the additive optimum gave all the budget to
 11 of 48 heads; measured whole it lowered the KL at 0.02 by 0.26 on these contexts (0.64 predicted), was no better
 than am-hak on the held-out ones, and collapsed at 0.1 and 0.05. The single-head curves do not add up.
 """
