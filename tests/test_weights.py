@@ -25,6 +25,7 @@ from safetensors.numpy import load_file, save_file
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, Qwen2Config,
                           Qwen3Config)
 
+from kvzip_jax import sharding
 from kvzip_jax.cli import main as cli_main
 from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.errors import (ChecksumError, ModelFileError, UnsupportedArchitectureError, WeightShapeError)
@@ -105,6 +106,26 @@ def assert_trees_equal(actual: dict, expected: dict, atol: float = 0.0) -> None:
 def assert_layout(params: dict, cfg: ModelConfig) -> None:
     shapes = jax.tree.map(lambda a: tuple(a.shape), params)
     assert shapes == param_shapes(cfg)
+
+
+# Runs before the SmolLM2 fixtures below exist: its two loads on top of them were a test worker's memory peak.
+def test_load_bundled_converts_once(tmp_path, monkeypatch, smollm2_gguf):
+    """Two concurrent loaders of a model not yet converted: one converts, the other waits for it; later loads read
+    the checkpoint."""
+    monkeypatch.setenv("KVZIP_CHECKPOINTS", str(tmp_path))
+    conversions, convert = [], registry.convert
+    monkeypatch.setattr(registry, "convert", lambda **kw: conversions.append(kw) or convert(**kw))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first, other = pool.map(lambda _: load(registry.SMOLLM2), range(2))
+    assert len(conversions) == 1 and other.cfg == first.cfg
+    with pytest.raises(ModelFileError, match="not a bundled model"):
+        registry.converted("no-such-model")
+    assert (tmp_path / registry.SMOLLM2 / "params").is_dir()
+    assert first.name == registry.SMOLLM2 and first.cfg.num_layers == 30
+    monkeypatch.setattr(registry, "params_from_gguf", lambda *_: pytest.fail("converted twice"))
+    second = load(registry.SMOLLM2)
+    assert second.cfg == first.cfg
+    assert_trees_equal(second.params, jax.tree.map(np.asarray, first.params))
 
 
 # ---------------------------------------------------------------- SmolLM2 (module-scoped: one transformers load)
@@ -208,25 +229,6 @@ def test_cli_convert(tmp_path, smol_hf_dir, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "GGUF file not found" in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
-
-
-def test_load_bundled_converts_once(tmp_path, monkeypatch, smollm2_gguf):
-    """Two concurrent loaders of a model not yet converted: one converts, the other waits for it; later loads read
-    the checkpoint."""
-    monkeypatch.setenv("KVZIP_CHECKPOINTS", str(tmp_path))
-    conversions, convert = [], registry.convert
-    monkeypatch.setattr(registry, "convert", lambda **kw: conversions.append(kw) or convert(**kw))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        first, other = pool.map(lambda _: load(registry.SMOLLM2), range(2))
-    assert len(conversions) == 1 and other.cfg == first.cfg
-    with pytest.raises(ModelFileError, match="not a bundled model"):
-        registry.converted("no-such-model")
-    assert (tmp_path / registry.SMOLLM2 / "params").is_dir()
-    assert first.name == registry.SMOLLM2 and first.cfg.num_layers == 30
-    monkeypatch.setattr(registry, "params_from_gguf", lambda *_: pytest.fail("converted twice"))
-    second = load(registry.SMOLLM2)
-    assert second.cfg == first.cfg
-    assert_trees_equal(second.params, jax.tree.map(np.asarray, first.params))
 
 
 # ---------------------------------------------------------------- named errors
@@ -411,6 +413,11 @@ def test_tiny_gguf_models_convert_like_hf(tiny, tmp_path):
     assert dataclasses.replace(gguf_cfg, rms_norm_eps=cfg.rms_norm_eps, query_scale=cfg.query_scale) == cfg
     assert gguf_cfg.query_scale == pytest.approx(cfg.query_scale, rel=1e-6)
     assert_trees_equal(gguf_params, params, atol=1e-6 if arch == "gemma3" else 0.0)  # float32 (w + 1) - 1 + 1
+    # Onto a mesh in another dtype: each parameter placed as it is read, the values those of the host conversion.
+    _, placed = params_from_gguf(tmp_path / "tiny.gguf", "bfloat16", sharding.make_mesh())
+    assert all(isinstance(leaf, jax.Array) and leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(placed))
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b.astype(ml_dtypes.bfloat16)),
+                                     placed, gguf_params))
 
 
 # ---------------------------------------------------------------- precision: checkpoints keep the source's

@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from kvzip_jax.config import FULL, SLIDING, ModelConfig, RopeSpec
 from kvzip_jax.errors import ModelFileError, UnsupportedArchitectureError, WeightShapeError
-from kvzip_jax.weights.assemble import SourceTensor, Slot, assemble_params
+from kvzip_jax.weights.assemble import SourceTensor, Slot, assemble_params, placer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 ROPE_FREQS = "rope_freqs.weight"  # llama 3 frequency divisors, folded into ModelConfig.rope
@@ -239,8 +239,12 @@ def _source_tensors(reader: GGUFReader, cfg: ModelConfig) -> list[SourceTensor]:
     return tensors
 
 
-def params_from_gguf(path: str | Path) -> tuple[ModelConfig, dict]:
-    """(config, float32 numpy parameter tree) from a GGUF file, any quantization the gguf package dequantizes."""
+def params_from_gguf(path: str | Path, dtype=None, mesh=None) -> tuple[ModelConfig, dict]:
+    """(config, parameter tree) from a GGUF file, any quantization the gguf package dequantizes, one tensor at a
+    time. dtype: every parameter's (None: float32). mesh: None gives numpy arrays on the host; a (data, seq, tensor)
+    mesh gives jax arrays laid out by sharding.param_shardings, each parameter placed as soon as it is dequantized,
+    so the host never holds more than one parameter."""
     reader = open_gguf(path)
     cfg = config_from_gguf(reader)
-    return cfg, assemble_params(cfg, _source_tensors(reader, cfg))
+    place = placer(cfg, dtype, mesh)  # a mesh the model does not fit fails here, before any read
+    return cfg, assemble_params(cfg, _source_tensors(reader, cfg), place)

@@ -16,9 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import jax
-
-from kvzip_jax import dtypes, sharding
+from kvzip_jax import dtypes
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ChecksumError, ModelFileError
 from kvzip_jax.weights.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
@@ -135,7 +133,7 @@ def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out
             overwrite: bool = False, dtype: str = dtypes.SOURCE, mesh=None) -> Path:
     """Converts an HF folder or a GGUF file into a checkpoint folder `out` (params/, config.json, tokenizer/).
     dtype: "source" keeps the source's precision (dtypes.storage), or "float32" / "bfloat16" for every tensor.
-    mesh: a (data, seq, tensor) mesh to convert onto (sharding.make_mesh): an HF folder is read one tensor at a time
+    mesh: a (data, seq, tensor) mesh to convert onto (sharding.make_mesh): the source is read one tensor at a time
     and each parameter placed on its devices as soon as it is fused, so neither the host nor one device ever holds
     the whole model; None: on this host."""
     if (hf is None) == (gguf is None):
@@ -147,16 +145,8 @@ def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out
         cfg, params = params_from_hf(hf, target, mesh)
     else:
         tokenizer = tokenizer_from_gguf(gguf)
-        cfg, params = params_from_gguf(gguf)
-        params = _placed(params, cfg, target, mesh)
+        cfg, params = params_from_gguf(gguf, target, mesh)
     return save_checkpoint(out, cfg, params, tokenizer, overwrite=overwrite)
-
-
-def _placed(params: dict, cfg: ModelConfig, dtype, mesh) -> dict:
-    """A host parameter tree cast to dtype (None: kept) and, given a mesh, sharded onto it."""
-    if dtype is not None:
-        params = jax.tree.map(lambda a: a.astype(dtype), params)
-    return params if mesh is None else sharding.shard_params(params, cfg, mesh)
 
 
 @contextlib.contextmanager
@@ -209,9 +199,8 @@ def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dt
         cfg, params = params_from_hf(path, dtype, mesh)
         return LoadedModel(path.name, cfg, dtypes.cast_params(params, dtype), tokenizer_from_hf(path))
     if path.is_file():
-        cfg, params = params_from_gguf(path)
-        return LoadedModel(path.stem, cfg, dtypes.cast_params(_placed(params, cfg, dtype, mesh), dtype),
-                           tokenizer_from_gguf(path))
+        cfg, params = params_from_gguf(path, dtype, mesh)
+        return LoadedModel(path.stem, cfg, dtypes.cast_params(params, dtype), tokenizer_from_gguf(path))
     raise ModelFileError(f"{name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint "
                          "folder, an HF folder or a GGUF file")
 
