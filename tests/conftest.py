@@ -1,5 +1,7 @@
 """Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), their
-tokenizers, and jax's compilation caches cleared between test modules before the process runs out of memory maps.
+tokenizers; after each test module, freed memory goes back to the system (and jax's compiled programs are dropped
+before the process runs out of memory maps); at the end, each process's peak resident memory is printed and checked
+against PEAK_RSS_LIMIT.
 
 Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
 repository's git-ignored checkpoints/ folder) and reused by later sessions.
@@ -7,18 +9,22 @@ repository's git-ignored checkpoints/ folder) and reused by later sessions.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
+import resource
 from pathlib import Path
 
 import jax
 import pytest
 
+from kvzip_jax.eval.host_memory import release_freed
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
 
 REPO_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+PEAK_RSS_LIMIT = 6 * 10**9  # bytes a test process may hold at its peak (two workers and their subprocesses in 24 GB)
+CLEAR_PROGRAMS_ABOVE = 2 * 10**9  # resident bytes after a module above which jax's compiled programs are dropped
+TRIM_ABOVE = 2 * 10**9  # resident bytes after a test above which freed memory is handed back before the next test
 
 
 def pytest_configure(config):
@@ -29,16 +35,82 @@ def pytest_configure(config):
                             "test (`make test-all`, not in `make test`)")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-    """Drops every compiled program after a test module once the process holds half the kernel's memory maps. XLA
-    CPU maps each executable's code into its own memory regions; one process running the whole suite otherwise
-    reaches vm.max_map_count (65,530) and LLVM segfaults inside a later compilation. Clearing only then keeps the
-    programs that modules share (the bundled models' prefill and decode) compiled most of the time."""
+@pytest.fixture(autouse=True)
+def _release_freed_after_a_large_test():
+    """Hands freed memory back after a test that leaves the process holding more than TRIM_ABOVE bytes: glibc keeps
+    what a test's models and buffers freed in its arenas, and the next test's allocations would land beside it."""
     yield
-    if _memory_maps() > _map_limit() // 2:
-        jax.clear_caches()
-        gc.collect()
+    if _resident() > TRIM_ABOVE:
+        release_freed()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_memory_after_each_module():
+    """Hands freed memory back after each test module, and drops every compiled program once the process holds
+    CLEAR_PROGRAMS_ABOVE bytes or half the kernel's memory maps (a later compilation then reads jax's persistent
+    cache on disk, where make test keeps it). XLA CPU maps each executable's code into its own memory regions; one
+    process running the whole suite otherwise reaches vm.max_map_count (65,530) and LLVM segfaults inside a later
+    compilation."""
+    yield
+    release_freed()  # what the module's fixtures freed, handed back (glibc keeps it in its arenas)
+    if _memory_maps() > _map_limit() // 2 or _resident() > CLEAR_PROGRAMS_ABOVE:
+        drop_compiled_and_freed()
+
+
+def drop_compiled_and_freed() -> None:
+    """Drops every compiled program and hands freed memory back: a test that loads a 0.5B model in float32 (2.5 GB)
+    calls it first, so that its peak stacks on what the process must hold, not on earlier tests' leftovers."""
+    jax.clear_caches()
+    release_freed()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes (getrusage; Linux counts KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_PEAKS] = {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller collects each xdist worker's peaks (sent from the worker's pytest_sessionfinish)."""
+    if "peak_rss" in getattr(node, "workeroutput", {}):
+        node.config.stash[_PEAKS][node.gateway.id] = node.workeroutput["peak_rss"]
+
+
+def pytest_sessionfinish(session):
+    """A worker sends its peaks to the controller; the controller (or a run without workers) fails the session when a
+    test process held more than PEAK_RSS_LIMIT."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["peak_rss"] = _peak_rss()
+        return
+    peaks = session.config.stash[_PEAKS]
+    if not peaks:
+        peaks["main"] = _peak_rss()
+    if max(peaks.values()) > PEAK_RSS_LIMIT and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for name, peak in sorted(config.stash.get(_PEAKS, {}).items()):
+        verdict = "OVER the limit of" if peak > PEAK_RSS_LIMIT else "within"
+        terminalreporter.write_line(f"peak resident memory of test process {name}: {peak / 1e9:.2f} GB, {verdict} "
+                                    f"{PEAK_RSS_LIMIT / 1e9:.0f} GB")
+
+
+_PEAKS = pytest.StashKey[dict]()
+
+
+def _resident() -> int:
+    """This process's resident bytes now (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 def _memory_maps() -> int:

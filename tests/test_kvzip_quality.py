@@ -14,6 +14,7 @@ from kvzip_jax.kvzip import scoring as kvscore
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
 
+from .conftest import drop_compiled_and_freed
 from .test_kvzip_score import oracle_scores, tiny_config
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "quality.py"
@@ -33,6 +34,7 @@ def minutes(qwen_gguf):
     """Answers to the six questions of one context: full cache, and the masked cache at ratio 0.3 (ratio 1.0's
     equality with the full cache is checked on a tiny model: tests/test_compressed_cache.py)."""
     quality = _bench_quality()
+    drop_compiled_and_freed()
     model = registry.load(registry.QWEN, qwen_gguf.parent.parent)  # <checkpoints>/_gguf/<name>.gguf
     item = quality.load_contexts([CONTEXT])[CONTEXT]
     records, _ = quality.run_context(model, CONTEXT, item, ratios=(0.3,), levels=("pair",))

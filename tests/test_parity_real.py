@@ -9,11 +9,12 @@ import pytest
 import torch
 import transformers
 
-from kvzip_jax import generate as gen
+from kvzip_jax import generate as gen, sharding
+from kvzip_jax.eval.host_memory import release_freed
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.gguf import params_from_gguf
 from kvzip_jax.weights.hf import params_from_hf
-from tests.conftest import bundled_tokenizer
+from tests.conftest import bundled_tokenizer, drop_compiled_and_freed
 
 DOCUMENT = (Path(__file__).resolve().parents[1] / "kvzip_jax" / "data" / "demo_document.txt").read_text()
 LOGIT_TOL = 2e-3
@@ -27,8 +28,8 @@ def _oracle(gguf_path: Path):
 
 
 def _ours(gguf_path: Path):
-    cfg, params = params_from_gguf(gguf_path)
-    return cfg, jax.tree.map(jnp.asarray, params)
+    """Our conversion of the GGUF, each parameter on the device as soon as it is dequantized (a one-device mesh)."""
+    return params_from_gguf(gguf_path, mesh=sharding.make_mesh())
 
 
 def _long_tokens(tokenizer, n: int) -> np.ndarray:
@@ -43,26 +44,69 @@ def _chat_tokens(tokenizer, text: str) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-def _check_prompt(model, cfg, params, tokens: np.ndarray, check_kv: bool = True):
-    with torch.no_grad():
-        out = model(torch.tensor(tokens[None], dtype=torch.long), use_cache=True)
-    ref_logits = out.logits[0, -1].numpy()
+def _our_outputs(cfg, params, tokens: np.ndarray) -> tuple[np.ndarray, list]:
+    """(last-token logits [V], per layer (k, v) [K, T, H]) of our prefill of tokens."""
     logits, cache = gen.prefill(params, cfg, [tokens])
-    diff = float(np.abs(np.asarray(logits[0]) - ref_logits).max())
-    print(f"{cfg.architecture}, {tokens.size} tokens: last-token logits differ by at most {diff:.1e}")
-    assert diff <= LOGIT_TOL, f"last-token logits differ by {diff} on a {tokens.size}-token prompt"
-    assert int(np.argmax(logits[0])) == int(np.argmax(ref_logits))
+    T = tokens.size
+    return np.asarray(logits[0]), [(np.asarray(layer.k[0, :, :T]), np.asarray(layer.v[0, :, :T]))
+                                   for layer in cache.layers]
+
+
+def _oracle_outputs(model, tokens: np.ndarray) -> tuple[np.ndarray, list]:
+    """transformers' (last-token logits [V], per layer (k, v) [K, T or window - 1, H])."""
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[None], dtype=torch.long), use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1].numpy(), [(layer.keys[0].numpy(), layer.values[0].numpy())
+                                       for layer in out.past_key_values.layers]
+
+
+def _compare(ours, reference, architecture: str, num_tokens: int, check_kv: bool = True) -> None:
+    (logits, kv), (ref_logits, ref_kv) = ours, reference
+    diff = float(np.abs(logits - ref_logits).max())
+    print(f"{architecture}, {num_tokens} tokens: last-token logits differ by at most {diff:.1e}")
+    assert diff <= LOGIT_TOL, f"last-token logits differ by {diff} on a {num_tokens}-token prompt"
+    assert int(np.argmax(logits)) == int(np.argmax(ref_logits))
     if not check_kv:
         return
-    T = tokens.size
-    for i, layer in enumerate(cache.layers):
-        ref_k = out.past_key_values.layers[i].keys[0].numpy()  # [K, T or window - 1, H]
-        ref_v = out.past_key_values.layers[i].values[0].numpy()
-        kept = ref_k.shape[1]
-        np.testing.assert_allclose(np.asarray(layer.k[0, :, T - kept:T]), ref_k, atol=KV_TOL, rtol=0,
-                                   err_msg=f"layer {i} keys")
-        np.testing.assert_allclose(np.asarray(layer.v[0, :, T - kept:T]), ref_v, atol=KV_TOL, rtol=0,
-                                   err_msg=f"layer {i} values")
+    for i, ((k, v), (ref_k, ref_v)) in enumerate(zip(kv, ref_kv, strict=True)):
+        kept = ref_k.shape[1]  # a sliding layer's reference holds only its window
+        np.testing.assert_allclose(k[:, num_tokens - kept:], ref_k, atol=KV_TOL, rtol=0, err_msg=f"layer {i} keys")
+        np.testing.assert_allclose(v[:, num_tokens - kept:], ref_v, atol=KV_TOL, rtol=0, err_msg=f"layer {i} values")
+
+
+def _check_prompt(model, cfg, params, tokens: np.ndarray, check_kv: bool = True):
+    _compare(_our_outputs(cfg, params, tokens), _oracle_outputs(model, tokens), cfg.architecture, tokens.size,
+             check_kv)
+
+
+def _check_one_model_at_a_time(gguf_path: Path, tokens: np.ndarray, **expected_config) -> None:
+    """Our outputs from the GGUF's conversion (whose config has expected_config's values), then transformers' own
+    load of the GGUF: one model in memory at a time (a 0.5B model in float32 is 2.5 GB on either side), from a
+    process that holds no earlier test's compiled programs."""
+    drop_compiled_and_freed()
+    cfg, params = _ours(gguf_path)
+    assert {key: getattr(cfg, key) for key in expected_config} == expected_config
+    ours = _our_outputs(cfg, params, tokens)
+    del params
+    release_freed()
+    _compare(ours, _oracle_outputs(_oracle(gguf_path), tokens), cfg.architecture, tokens.size)
+
+
+# Gemma and Qwen first: they run before the module's SmolLM2 fixture exists, one model in memory at a time.
+
+@pytest.mark.slow
+def test_gemma3_matches_past_its_sliding_window(gemma_gguf):
+    tok = bundled_tokenizer(registry.GEMMA)
+    tokens = np.concatenate([[tok.bos_token_id], _long_tokens(tok, 1150)]).astype(np.int32)
+    _check_one_model_at_a_time(gemma_gguf, tokens, sliding_window=512)
+
+
+@pytest.mark.slow
+def test_qwen_coder_matches_with_biases_and_gqa_7(qwen_gguf):
+    tok = bundled_tokenizer(registry.QWEN)
+    # One prompt (one compilation): a chat turn, its special tokens included, then 1,050 tokens of prose.
+    tokens = np.concatenate([_chat_tokens(tok, "What is the capital of France?"), _long_tokens(tok, 1050)])
+    _check_one_model_at_a_time(qwen_gguf, tokens, qkv_bias=True, group_size=7)
 
 
 @pytest.fixture(scope="module")
@@ -105,24 +149,3 @@ def test_hf_folder_and_gguf_conversions_give_the_same_logits(smollm2, tmp_path):
     a, _ = gen.prefill(params, cfg, [tokens])
     b, _ = gen.prefill(jax.tree.map(jnp.asarray, hf_params), hf_cfg, [tokens])
     assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) <= 1e-5
-
-
-@pytest.mark.slow
-def test_gemma3_matches_past_its_sliding_window(gemma_gguf):
-    cfg, params = _ours(gemma_gguf)
-    assert cfg.sliding_window == 512
-    tok = bundled_tokenizer(registry.GEMMA)
-    model = _oracle(gemma_gguf)
-    tokens = np.concatenate([[tok.bos_token_id], _long_tokens(tok, 1150)]).astype(np.int32)
-    _check_prompt(model, cfg, params, tokens)
-
-
-@pytest.mark.slow
-def test_qwen_coder_matches_with_biases_and_gqa_7(qwen_gguf):
-    cfg, params = _ours(qwen_gguf)
-    assert (cfg.qkv_bias, cfg.group_size) == (True, 7)
-    tok = bundled_tokenizer(registry.QWEN)
-    model = _oracle(qwen_gguf)
-    # One prompt (one compilation): a chat turn, its special tokens included, then 1,050 tokens of prose.
-    _check_prompt(model, cfg, params, np.concatenate([_chat_tokens(tok, "What is the capital of France?"),
-                                                      _long_tokens(tok, 1050)]))
