@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from kvzip_jax import dtypes
+from kvzip_jax import dtypes, sharding
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ChecksumError, ModelFileError
 from kvzip_jax.weights.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
@@ -135,10 +135,12 @@ def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out
     dtype: "source" keeps the source's precision (dtypes.storage), or "float32" / "bfloat16" for every tensor.
     mesh: a (data, seq, tensor) mesh to convert onto (sharding.make_mesh): the source is read one tensor at a time
     and each parameter placed on its devices as soon as it is fused, so neither the host nor one device ever holds
-    the whole model; None: on this host."""
+    the whole model; None: this host's first device, one parameter at a time all the same (the host never holds
+    the model twice, as a read tree and its device copy)."""
     if (hf is None) == (gguf is None):
         raise ValueError("give exactly one of hf= or gguf=")
     target = None if dtype == dtypes.SOURCE else dtypes.resolve(dtype)
+    mesh = mesh if mesh is not None else sharding.make_mesh()
     # The tokenizer first: a source without one fails before the slow weight conversion.
     if hf is not None:
         tokenizer = tokenizer_from_hf(hf)
