@@ -10,10 +10,11 @@ demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
 
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its module fixtures
-# load once). Each worker holds a bundled model or two: ~4 GiB at most. XLA compiles the tests' programs with LLVM at
-# -O0 (TEST_XLA_FLAGS): the same HLO, no fast-math either way, a quarter less time on these small inputs. Compiled
-# programs go to jax's persistent compilation cache (TEST_JAX_CACHE, at most 2 GB, least recently used out): the
-# workers and the tests' subprocesses compile many of the same programs (a bundled model's prefill and decode).
+# load once); tests/conftest.py prints each worker's peak resident memory and fails the run above 6 GB. XLA compiles
+# the tests' programs with LLVM at -O0 (TEST_XLA_FLAGS): the same HLO, no fast-math either way, a quarter less time
+# on these small inputs. Compiled programs go to jax's persistent compilation cache (TEST_JAX_CACHE, at most 2 GB,
+# least recently used out): the workers and the tests' subprocesses compile many of the same programs (a bundled
+# model's prefill and decode).
 TEST_WORKERS ?= 2
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 TEST_JAX_CACHE ?= $(CURDIR)/checkpoints/_jax_cache

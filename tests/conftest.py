@@ -4,7 +4,8 @@ before the process runs out of memory maps); at the end, each process's peak res
 against PEAK_RSS_LIMIT.
 
 Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
-repository's git-ignored checkpoints/ folder) and reused by later sessions.
+repository's git-ignored checkpoints/ folder) and reused by later sessions. Before any test, each installed bundled
+model not yet converted is converted there, in a subprocess.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -19,6 +22,7 @@ import pytest
 
 from kvzip_jax.eval.host_memory import release_freed
 from kvzip_jax.weights import registry
+from kvzip_jax.weights.checkpoint import is_checkpoint
 from kvzip_jax.weights.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
 
 REPO_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -33,6 +37,22 @@ def pytest_configure(config):
                             "`make test`)")
     config.addinivalue_line("markers", "extended: a slow check whose behaviour the default run covers through another "
                             "test (`make test-all`, not in `make test`)")
+    if not hasattr(config, "workerinput"):  # the controller, or a run without workers: before any test process starts
+        _convert_bundled_models()
+
+
+def _convert_bundled_models() -> None:
+    """Converts each installed bundled model that has no checkpoint yet, each in a subprocess of its own. A first
+    conversion holds its model about twice (Qwen: 2.5 GB read, 2.5 GB being written by orbax), more than
+    PEAK_RSS_LIMIT on top of what a test process already holds, so it runs once here, not inside the first test that
+    loads the model."""
+    for name in registry.BUNDLED:
+        directory = _checkpoints_dir() / name
+        if is_checkpoint(directory) or any(importlib.util.find_spec(p) is None for p in registry.PACKAGES[name]):
+            continue
+        print(f"converting the bundled model {name} into {directory} (once)", flush=True)
+        subprocess.run([sys.executable, "-c", "import sys; from kvzip_jax.weights import registry; "
+                        "registry.converted(sys.argv[1], sys.argv[2])", name, str(_checkpoints_dir())], check=True)
 
 
 @pytest.fixture(autouse=True)
