@@ -41,6 +41,18 @@ def pytest_configure(config):
         _convert_bundled_models()
 
 
+# The files whose tests take a minute or more on 2 cores, slowest first: started first, so that the workers (pytest-xdist
+# --dist loadfile hands out files in collection order) end on short files and finish together.
+SLOWEST_FILES = ("test_parity_real.py", "test_kvzip_quality.py", "test_eval_sweep.py", "test_bfloat16.py",
+                 "test_cache_io.py", "test_model.py", "test_compact.py", "test_cli.py", "test_eval_distributed.py",
+                 "test_weights.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its tests' order
+
+
 def _convert_bundled_models() -> None:
     """Converts each installed bundled model that has no checkpoint yet, each in a subprocess of its own. A first
     conversion holds its model about twice (Qwen: 2.5 GB read, 2.5 GB being written by orbax), more than

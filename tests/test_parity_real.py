@@ -97,15 +97,17 @@ def _check_one_model_at_a_time(gguf_path: Path, tokens: np.ndarray, **expected_c
 @pytest.mark.slow
 def test_gemma3_matches_past_its_sliding_window(gemma_gguf):
     tok = bundled_tokenizer(registry.GEMMA)
-    tokens = np.concatenate([[tok.bos_token_id], _long_tokens(tok, 1150)]).astype(np.int32)
+    # 800 tokens: two prefill chunks, the second's queries past the 512-token window into the first's keys.
+    tokens = np.concatenate([[tok.bos_token_id], _long_tokens(tok, 800)]).astype(np.int32)
     _check_one_model_at_a_time(gemma_gguf, tokens, sliding_window=512)
 
 
 @pytest.mark.slow
 def test_qwen_coder_matches_with_biases_and_gqa_7(qwen_gguf):
     tok = bundled_tokenizer(registry.QWEN)
-    # One prompt (one compilation): a chat turn, its special tokens included, then 1,050 tokens of prose.
-    tokens = np.concatenate([_chat_tokens(tok, "What is the capital of France?"), _long_tokens(tok, 1050)])
+    # One prompt: a chat turn, its special tokens included, then 550 tokens of prose (two prefill chunks; SmolLM2's
+    # 1,100-token prompt and Gemma's cover longer ones).
+    tokens = np.concatenate([_chat_tokens(tok, "What is the capital of France?"), _long_tokens(tok, 550)])
     _check_one_model_at_a_time(qwen_gguf, tokens, qkv_bias=True, group_size=7)
 
 
