@@ -101,6 +101,16 @@ def _peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Notes the test (its fixtures' setup and teardown included) during which the process's peak resident memory
+    last rose; it is printed at the end beside the peak."""
+    before = _peak_rss()
+    yield
+    if _peak_rss() > before:
+        _PEAK_TEST[0] = item.nodeid
+
+
 def pytest_sessionstart(session):
     session.config.stash[_PEAKS] = {}
 
@@ -109,7 +119,7 @@ def pytest_sessionstart(session):
 def pytest_testnodedown(node, error):
     """The controller collects each xdist worker's peaks (sent from the worker's pytest_sessionfinish)."""
     if "peak_rss" in getattr(node, "workeroutput", {}):
-        node.config.stash[_PEAKS][node.gateway.id] = node.workeroutput["peak_rss"]
+        node.config.stash[_PEAKS][node.gateway.id] = (node.workeroutput["peak_rss"], node.workeroutput["peak_test"])
 
 
 def pytest_sessionfinish(session):
@@ -117,23 +127,26 @@ def pytest_sessionfinish(session):
     test process held more than PEAK_RSS_LIMIT."""
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
-        workeroutput["peak_rss"] = _peak_rss()
+        workeroutput["peak_rss"], workeroutput["peak_test"] = _peak_rss(), _PEAK_TEST[0]
         return
     peaks = session.config.stash[_PEAKS]
     if not peaks:
-        peaks["main"] = _peak_rss()
-    if max(peaks.values()) > PEAK_RSS_LIMIT and session.exitstatus == pytest.ExitCode.OK:
+        peaks["main"] = (_peak_rss(), _PEAK_TEST[0])
+    if max(peak for peak, _ in peaks.values()) > PEAK_RSS_LIMIT and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    for name, peak in sorted(config.stash.get(_PEAKS, {}).items()):
+    """Each test process's peak resident memory and the test during which it was reached, after pytest's durations."""
+    for name, (peak, test) in sorted(config.stash.get(_PEAKS, {}).items()):
         verdict = "OVER the limit of" if peak > PEAK_RSS_LIMIT else "within"
         terminalreporter.write_line(f"peak resident memory of test process {name}: {peak / 1e9:.2f} GB, {verdict} "
-                                    f"{PEAK_RSS_LIMIT / 1e9:.0f} GB")
+                                    f"{PEAK_RSS_LIMIT / 1e9:.0f} GB (reached in {test or 'collection'})")
 
 
 _PEAKS = pytest.StashKey[dict]()
+_PEAK_TEST = [""]  # the test during which this process's peak resident memory last rose
 
 
 def _resident() -> int:
