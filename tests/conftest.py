@@ -41,8 +41,9 @@ def pytest_configure(config):
         _convert_bundled_models()
 
 
-# The files whose tests take a minute or more on 2 cores, slowest first: started first, so that the workers (pytest-xdist
-# --dist loadfile hands out files in collection order) end on short files and finish together.
+# The files whose tests take a minute or more on 2 cores, slowest first: started first, so that the workers end on short
+# files and finish together, and each of the heaviest starts in a fresh process (pytest-xdist --dist loadfile hands out
+# files in collection order only with --no-loadscope-reorder, as the Makefile runs it; its default is most tests first).
 SLOWEST_FILES = ("test_parity_real.py", "test_kvzip_quality.py", "test_eval_sweep.py", "test_bfloat16.py",
                  "test_cache_io.py", "test_model.py", "test_compact.py", "test_cli.py", "test_eval_distributed.py",
                  "test_weights.py")
