@@ -3,9 +3,12 @@
     python bench/gpu.py            # on the GPU machine (fits one call of <= 8 minutes on one H200)
     python bench/gpu.py --smoke    # the same code at tiny sizes on CPU (Pallas in interpret mode): CI's check
 
+    python bench/gpu.py --models qwen2.5-coder-1.5b-instruct --cases none   # real weights only
+
 Random weights at real configurations (weights do not travel to the device; the configs are written below):
 LLaMA-3.1-8B in bfloat16 at 32K and 124K context tokens, batch 1; SmolLM2-135M and Qwen2.5-0.5B at 4K and 32K,
-batch 8. For each case and each impl:
+batch 8. --models adds registry models by name or path with their real weights in bfloat16 (where their packages or
+checkpoints are on the machine), batch --model-batch at --model-contexts tokens. For each case and each impl:
   - prefill time and model FLOP utilisation (models/flops.py FLOPs / time / the device's peak), at the context of
     --prefill-tokens at most (stated per row);
   - KVzip scoring time / prefill time, and scoring's extra device memory (the compiled scoring program's temporary
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +37,12 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip
 from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.errors import ModelFileError
 from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
 from kvzip_jax.models import attention
 from kvzip_jax.models.flops import kvzip_scoring_flops, prefill_flops
 from kvzip_jax.models.params import param_shapes
+from kvzip_jax.weights import registry
 from pallas_kernels import decode_attention, ragged_decode
 
 # Real configurations (HF config.json values).
@@ -49,8 +55,8 @@ SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, n
 QWEN_05B = ModelConfig(architecture="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
                        num_kv_heads=2, head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, max_position=32768,
                        rope=RopeSpec(1000000.0), qkv_bias=True)
-# (name, config, batch, context tokens), most important first; 124K = 126,976 tokens, the paper's LLaMA3.1-8B
-# setting.
+# (name, config, batch, context tokens) of random-weight cases, most important first; 124K = 126,976 tokens, the
+# paper's LLaMA3.1-8B setting.
 CASES = [("llama3.1-8b", LLAMA_8B, 1, (126976, 32768)), ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),
          ("qwen2.5-0.5b", QWEN_05B, 8, (4096, 32768))]
 SMOKE = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -79,6 +85,24 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     drawn = [jnp.ones(s, dtype) if "norm" in path else (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
              for path, s, k in zip(paths, leaves, keys)]
     return jax.tree.unflatten(treedef, drawn)
+
+
+def random_case(name: str, cfg: ModelConfig, batch: int, contexts: tuple[int, ...], dtype) -> tuple:
+    """(name, batch, contexts, load): load() gives (config, random params in dtype)."""
+    return name, batch, contexts, lambda: (cfg, random_params(cfg, dtype))
+
+
+def model_case(name: str, batch: int, contexts: tuple[int, ...], dtype) -> tuple:
+    """A registry model (a bundled name or a path) with its real weights, loaded in dtype when its case starts; a
+    name that is neither fails at once, before any case spends device time."""
+    if name not in registry.BUNDLED and not Path(name).exists():
+        raise ModelFileError(f"--models {name!r}: neither a bundled model nor a path ({', '.join(registry.BUNDLED)})")
+
+    def load():
+        model = registry.load(name, dtype=dtype)
+        return model.cfg, model.params
+
+    return name, batch, contexts, load
 
 
 def timed(fn, repeats: int = 3) -> float:
@@ -238,29 +262,38 @@ def prefill_figures(params, cfg: ModelConfig, batch: int, tokens: int, chunk: in
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (Pallas in interpret mode)")
-    parser.add_argument("--cases", help="comma-separated case names (default: all)")
+    parser.add_argument("--cases", help="comma-separated random-weight case names (default: all; none: none)")
+    parser.add_argument("--models", help="comma-separated registry models (names or paths) run with real weights")
+    parser.add_argument("--model-batch", type=int, default=8, help="batch of the --models cases")
+    parser.add_argument("--model-contexts", default="4096,32768", help="context tokens of the --models cases")
     parser.add_argument("--prefill-tokens", type=int, default=32768, help="longest context prefilled and scored")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=kvzip.scoring.DEFAULT_CHUNK)
     parser.add_argument("--budget-s", type=float, default=420, help="wall seconds: later rows are skipped past it, "
                         "prefill and scoring past half of it (decode figures come first)")
     args = parser.parse_args(argv)
+    dtype = jnp.float32 if args.smoke else jnp.bfloat16
     cases = SMOKE_CASES if args.smoke else CASES
     if args.cases:
         cases = [c for c in cases if c[0] in args.cases.split(",")]
-    dtype = jnp.float32 if args.smoke else jnp.bfloat16
+    cases = [random_case(*case, dtype) for case in cases]
+    contexts = tuple(int(t) for t in args.model_contexts.split(","))
+    cases += [model_case(name, args.model_batch, contexts, dtype) for name in (args.models or "").split(",") if name]
     chunk = 64 if args.smoke else args.chunk_size
     kind, peak_bw, peak_flops = device_peaks()
     print(f"device {kind} ({jax.default_backend()}), jax {jax.__version__}; params and caches {jnp.dtype(dtype).name}; "
           f"ratio {RATIO}; peaks: HBM {peak_bw and peak_bw / 1e12} TB/s, bf16 {peak_flops and peak_flops / 1e12} "
           "TFLOP/s")
     clock = time.perf_counter()
-    for name, base, batch, contexts in cases:
-        params = random_params(base, dtype)
+    for name, batch, contexts, load in cases:
+        base, params = load()
         for tokens in contexts:
             print(f"\n== {name}, batch {batch}, {tokens:,} context tokens ==", flush=True)
             if time.perf_counter() - clock > args.budget_s:
                 print(f"skipped: past the {args.budget_s:.0f} s budget")
+                continue
+            if tokens + args.decode_steps > base.max_position:
+                print(f"skipped: past the model's maximum context of {base.max_position:,} tokens")
                 continue
             full = synthetic_cache(base, batch, tokens, dtype)
             masked, ragged = compressed(base, full, tokens)

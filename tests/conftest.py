@@ -187,7 +187,8 @@ def _checkpoints_dir() -> Path:
 def _bundled_gguf(name: str) -> Path:
     absent = [p for p in registry.PACKAGES[name] if importlib.util.find_spec(p) is None]
     if absent:
-        pytest.skip(f"bundled model {name} not installed ({', '.join(absent)}): {registry.install_command(name)}")
+        how = "make models-large" if name in registry.ON_DEMAND else registry.install_command(name)
+        pytest.skip(f"bundled model {name} not installed ({len(absent)} packages absent, {absent[0]} first): {how}")
     return registry.bundled_gguf(name, _checkpoints_dir())
 
 
@@ -201,6 +202,12 @@ def smollm2_gguf() -> Path:
 def qwen_gguf() -> Path:
     """Qwen2.5-Coder-0.5B-Instruct, Q4_K_M (qwen2 architecture)."""
     return _bundled_gguf(registry.QWEN)
+
+
+@pytest.fixture(scope="session")
+def qwen_large_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct, Q4_K_M (qwen2 architecture; installed on demand: make models-large)."""
+    return _bundled_gguf(registry.QWEN_LARGE)
 
 
 @pytest.fixture(scope="session")

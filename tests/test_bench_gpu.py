@@ -1,18 +1,55 @@
 """bench/gpu.py, the prepared device script, runs end to end at tiny sizes on CPU (Pallas in interpret mode), so a
 broken script is found here and not on the GPU machine's clock."""
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
+import pytest
 
-def test_gpu_bench_smoke_run(capsys):
+from kvzip_jax.errors import ModelFileError
+from kvzip_jax.models.params import init_params
+from kvzip_jax.weights import registry
+from kvzip_jax.weights.checkpoint import save_checkpoint
+from tests.conftest import bundled_tokenizer
+
+
+def _bench():
     spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).resolve().parents[1] / "bench" / "gpu.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.main(["--smoke", "--decode-steps", "2"]) == 0
-    out = capsys.readouterr().out
+    return bench
+
+
+def _check_rows(out: str) -> None:
     for impl in ("xla", "pallas"):
         assert f"[{impl}] prefill" in out and f"[{impl}] attention speed-up at 0.3" in out
         for form in ("full", "masked", "ragged"):
             assert f"[{impl}] decode {form:>6}" in out
     assert "nan" not in out.lower()
+
+
+def test_gpu_bench_smoke_run(capsys):
+    assert _bench().main(["--smoke", "--decode-steps", "2"]) == 0
+    _check_rows(capsys.readouterr().out)
+
+
+def test_gpu_bench_runs_a_registry_model_by_path_with_its_weights(tmp_path, capsys):
+    """--models loads a model through the registry (here a tiny checkpoint folder; on the device, a bundled name) and
+    runs the same rows on its weights; a context past the model's maximum is skipped with a line saying so."""
+    bench = _bench()
+    tokenizer = bundled_tokenizer(registry.SMOLLM2)
+    cfg = dataclasses.replace(bench.SMOKE, vocab_size=len(tokenizer), max_position=512)
+    path = save_checkpoint(tmp_path / "tiny", cfg, init_params(cfg, seed=1, scale=0.15), tokenizer)
+    assert bench.main(["--smoke", "--cases", "none", "--models", str(path), "--model-batch", "2",
+                       "--model-contexts", "192,4096", "--decode-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"== {path}, batch 2, 192 context tokens ==" in out
+    assert "skipped: past the model's maximum context of 512 tokens" in out
+    _check_rows(out)
+
+
+def test_gpu_bench_names_an_unknown_model_before_any_case_runs(capsys):
+    with pytest.raises(ModelFileError, match="no-such-model.* neither a bundled model nor a path"):
+        _bench().main(["--smoke", "--models", "no-such-model"])
+    assert "==" not in capsys.readouterr().out  # the random-weight case did not start

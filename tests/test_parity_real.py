@@ -111,6 +111,13 @@ def test_qwen_coder_matches_with_biases_and_gqa_7(qwen_gguf):
     _check_one_model_at_a_time(qwen_gguf, tokens, qkv_bias=True, group_size=7)
 
 
+@pytest.mark.extended  # 6 GB of float32 weights on either side, installed on demand (make models-large)
+def test_qwen_coder_1_5b_matches_with_head_dim_128_and_gqa_6(qwen_large_gguf):
+    tok = bundled_tokenizer(registry.QWEN_LARGE)
+    tokens = np.concatenate([_chat_tokens(tok, "What is the capital of France?"), _long_tokens(tok, 550)])
+    _check_one_model_at_a_time(qwen_large_gguf, tokens, qkv_bias=True, group_size=6, head_dim=128, num_layers=28)
+
+
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
     cfg, params = _ours(smollm2_gguf)
