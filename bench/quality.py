@@ -3,7 +3,7 @@
     python bench/quality.py [--model qwen2.5-coder-0.5b-instruct] [--ratios 1.0,0.9,0.7,0.5,0.3,0.2,0.1]
                             [--level pair[,layer,...]] [--max-new-tokens 32] [--contexts incident,museum]
                             [--chunk-size N] [--json-out FILE] [--instruction kvzip|none|TEXT]
-                            [--variant softmax|logits] [--kvzip-plus] [--oracle]
+                            [--variant softmax|logits] [--kvzip-plus] [--oracle] [--resume]
 
 Each bundled context (kvzip_jax/data/quality/*.json: ~1,500 tokens of prose carrying codes, names, places and
 numbers, six questions each) is prefilled once, after KVzip's task instruction ("Given the context, answer to the
@@ -19,6 +19,10 @@ the same max-attention score as KVzip's, with pair-level eviction, but observed 
 ("oracle-q", a SnapKV-like choice without pooling) or the question followed by the full cache's own answer,
 teacher-forced ("oracle-qa": the pairs the model attends to most while it gives the full-cache answer). They
 indicate how close attention-based eviction at a ratio can come to the full cache's answers on this model.
+
+With --json-out the records are written after each context; --resume reads that file back and skips the contexts
+it already holds in full (every level and ratio of this run), so a long run (a 1.5B model on CPU) continues where it
+stopped. The file does not record the model or settings: resume only a run made with the same arguments.
 
 Run it with kvzip-jax installed (`make test` does) or with PYTHONPATH set to the repository root.
 """
@@ -233,6 +237,23 @@ def _write_json_atomically(path: str, payload) -> None:
             os.unlink(tmp)
 
 
+def resumed(path: str, names, ratios, levels) -> dict[str, list[Record]]:
+    """The records of `path` (a --json-out file) per context, for the contexts among `names` whose rows cover every
+    question at every (level, ratio) of this run and the full cache; nothing if the file does not exist."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        records = [Record(**r) for r in json.load(f)]
+    wanted = {(FULL, None)} | {(level, ratio) for level in levels for ratio in ratios}
+    done = {}
+    for name in names:
+        rows = [r for r in records if r.context == name and (r.level, r.ratio) in wanted]
+        cells = {(r.level, r.ratio) for r in rows}
+        if cells == wanted and len(rows) % len(wanted) == 0 and len(rows) > 0:
+            done[name] = rows
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=registry.QWEN, help="bundled model name or a model path")
@@ -254,7 +275,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--oracle", action="store_true",
                         help="also the question-aware upper bounds oracle-q and oracle-qa (pair level, one eviction "
                              "per question; see above)")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the contexts --json-out already holds in full (a run with the same arguments)")
     args = parser.parse_args(argv)
+    if args.resume and not args.json_out:
+        parser.error("--resume needs --json-out (the file to continue)")
+    if args.resume and args.oracle:
+        parser.error("--resume does not cover --oracle's rows; run --oracle in one go")
     instruction = prompts.named_instruction(args.instruction)
     scoring = kvzip.KVzipConfig(variant=args.variant, kvzip_plus=args.kvzip_plus)
 
@@ -276,12 +303,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{' with KVzip+' if args.kvzip_plus else ''}", flush=True)
     rows_per_question = 1 + (len(levels) + (len(ORACLES) if args.oracle else 0)) * len(ratios)
     total = sum(len(item["questions"]) for item in contexts.values()) * rows_per_question
+    done = resumed(args.json_out, contexts, ratios, levels) if args.resume else {}
+    if done:
+        print(f"resumed from {args.json_out}: {', '.join(done)} ({sum(map(len, done.values()))} answers)")
     progress = _progress(total)
-    records = []
+    progress.update(sum(map(len, done.values())))
+    records = [r for rows in done.values() for r in rows]
     for name, item in contexts.items():
+        if name in done:
+            continue
         rows, t = run_context(model, name, item, ratios, levels, args.max_new_tokens, progress, args.chunk_size,
                               instruction, scoring, args.oracle)
         records += rows
+        if args.json_out:
+            _write_json_atomically(args.json_out, [dataclasses.asdict(r) for r in records])
         full = [r for r in rows if r.level == FULL]
         seconds = t["answers_s"] + t.get("oracle_s", 0)
         print(f"\n{name}: {t['context_tokens']} context tokens; prefill {t['prefill_s']:.1f} s, KVzip scoring "

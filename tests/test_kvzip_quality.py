@@ -89,3 +89,22 @@ def test_oracle_span_scores_equal_the_numpy_oracle():
     ours = np.asarray(jax.jit(kvscore.score, static_argnums=1)(params, cfg, cache, seen))[:, 0, :, :len(context)]
     expected = oracle_scores(params, cfg, prefix, context, [span], chunk_size=len(context))
     np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
+
+
+def test_resume_takes_back_only_the_contexts_held_in_full(tmp_path):
+    """bench/quality.py --resume: a context whose rows cover the full cache and every (level, ratio) of the run is
+    read back; one cut short, or run at other ratios, is run again."""
+    quality = _bench_quality()
+
+    def rows(context, cells, questions=2):
+        return [quality.Record(context, f"q{i}", "a", level, ratio, "a", True, True, 1, 0.1)
+                for level, ratio in cells for i in range(questions)]
+
+    full = (quality.FULL, None)
+    records = (rows("done", [full, ("pair", 0.3), ("pair", 0.1)]) + rows("cut", [full, ("pair", 0.3)])
+               + rows("other", [full, ("pair", 0.5), ("pair", 0.1)]))
+    path = tmp_path / "q.json"
+    quality._write_json_atomically(str(path), [vars(r) for r in records])
+    done = quality.resumed(str(path), ["done", "cut", "other", "absent"], (0.3, 0.1), ("pair",))
+    assert list(done) == ["done"] and len(done["done"]) == 6
+    assert quality.resumed(str(tmp_path / "none.json"), ["done"], (0.3,), ("pair",)) == {}
