@@ -21,7 +21,7 @@ TEST_JAX_CACHE ?= $(CURDIR)/checkpoints/_jax_cache
 
 test: $(VENV)/.installed-test
 	XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" JAX_COMPILATION_CACHE_DIR="$(TEST_JAX_CACHE)" \
-	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 \
+	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 --peak-rss-limit-gb 6 \
 		-m "not quality48 and not extended" tests
 
 # Everything, the extended checks and the quality bar included.

@@ -1,7 +1,7 @@
 """Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), their
 tokenizers; after each test module, freed memory goes back to the system (and jax's compiled programs are dropped
-before the process runs out of memory maps); at the end, each process's peak resident memory is printed and checked
-against PEAK_RSS_LIMIT.
+before the process runs out of memory maps); at the end, each process's peak resident memory is printed and, with
+--peak-rss-limit-gb (make test: 6), checked.
 
 Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
 repository's git-ignored checkpoints/ folder) and reused by later sessions. Before any test, each installed bundled
@@ -26,9 +26,20 @@ from kvzip_jax.weights.checkpoint import is_checkpoint
 from kvzip_jax.weights.tokenizer import tokenizer_from_gguf, tokenizer_from_hf
 
 REPO_CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
-PEAK_RSS_LIMIT = 6 * 10**9  # bytes a test process may hold at its peak (two workers and their subprocesses in 24 GB)
 CLEAR_PROGRAMS_ABOVE = 2 * 10**9  # resident bytes after a module above which jax's compiled programs are dropped
 TRIM_ABOVE = 2 * 10**9  # resident bytes after a test above which freed memory is handed back before the next test
+
+
+def pytest_addoption(parser):
+    parser.addoption("--peak-rss-limit-gb", type=float, default=0.0,
+                     help="fail the run if a test process's peak resident memory exceeds this many GB (0: only print "
+                          "the peaks); make test: 6, so two workers and the tests' subprocesses fit in 24 GB")
+
+
+def _limit(config) -> float:
+    """The peak resident bytes a test process may reach (inf: no limit)."""
+    gb = config.getoption("peak_rss_limit_gb")
+    return gb * 1e9 if gb > 0 else float("inf")
 
 
 def pytest_configure(config):
@@ -57,7 +68,7 @@ def pytest_collection_modifyitems(config, items):
 def _convert_bundled_models() -> None:
     """Converts each installed bundled model that has no checkpoint yet, each in a subprocess of its own. A first
     conversion holds its model about twice (Qwen: 2.5 GB read, 2.5 GB being written by orbax), more than
-    PEAK_RSS_LIMIT on top of what a test process already holds, so it runs once here, not inside the first test that
+    make test's 6 GB limit on top of what a test process already holds, so it runs once here, not inside the first test that
     loads the model."""
     for name in registry.BUNDLED:
         directory = _checkpoints_dir() / name
@@ -125,7 +136,7 @@ def pytest_testnodedown(node, error):
 
 def pytest_sessionfinish(session):
     """A worker sends its peaks to the controller; the controller (or a run without workers) fails the session when a
-    test process held more than PEAK_RSS_LIMIT."""
+    test process held more than --peak-rss-limit-gb."""
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:
         workeroutput["peak_rss"], workeroutput["peak_test"] = _peak_rss(), _PEAK_TEST[0]
@@ -133,7 +144,7 @@ def pytest_sessionfinish(session):
     peaks = session.config.stash[_PEAKS]
     if not peaks:
         peaks["main"] = (_peak_rss(), _PEAK_TEST[0])
-    if max(peak for peak, _ in peaks.values()) > PEAK_RSS_LIMIT and session.exitstatus == pytest.ExitCode.OK:
+    if max(peak for peak, _ in peaks.values()) > _limit(session.config) and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -141,9 +152,11 @@ def pytest_sessionfinish(session):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Each test process's peak resident memory and the test during which it was reached, after pytest's durations."""
     for name, (peak, test) in sorted(config.stash.get(_PEAKS, {}).items()):
-        verdict = "OVER the limit of" if peak > PEAK_RSS_LIMIT else "within"
-        terminalreporter.write_line(f"peak resident memory of test process {name}: {peak / 1e9:.2f} GB, {verdict} "
-                                    f"{PEAK_RSS_LIMIT / 1e9:.0f} GB (reached in {test or 'collection'})")
+        limit = _limit(config)
+        verdict = "" if limit == float("inf") else \
+            f", {'OVER the limit of' if peak > limit else 'within'} {limit / 1e9:g} GB"
+        terminalreporter.write_line(f"peak resident memory of test process {name}: {peak / 1e9:.2f} GB{verdict} "
+                                    f"(reached in {test or 'collection'})")
 
 
 _PEAKS = pytest.StashKey[dict]()
