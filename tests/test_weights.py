@@ -565,16 +565,23 @@ def test_parted_gguf_names_the_wrong_missing_or_misordered_part(tmp_path, monkey
         assert list((tmp_path / registry.GGUF_CACHE).iterdir()) == []  # no partial or unverified file
 
 
-def test_parted_gguf_header_is_checked(qwen_gguf, tmp_path):
-    """A file whose parts matched but whose header names another model (or is no GGUF) is refused."""
-    gguf = qwen_gguf  # assembled by bundled_gguf, so its header passed
-    parts.check_header(gguf, parts.QWEN_05B)
-    with pytest.raises(ModelFileError, match="expected 'Qwen2.5 Coder 1.5B Instruct GGUF' with 339"):
-        parts.check_header(gguf, parts.QWEN_15B)
+def test_parted_gguf_header_is_checked(tmp_path):
+    """A file whose parts matched but whose header names another model or tensor count (or is no GGUF) is refused."""
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("Tiny Test Model")
+    for i in range(3):
+        writer.add_tensor(f"t{i}.weight", np.zeros((4, 4), np.float32))
+    _finish(writer)
+    parts.check_header(path, parts.PartedGGUF("Tiny Test Model", 3, ()))
+    for name, tensors in (("Qwen2.5 Coder 1.5B Instruct GGUF", 3), ("Tiny Test Model", 339)):
+        with pytest.raises(ModelFileError, match=f"header names 'Tiny Test Model' with 3 tensors; expected '{name}' "
+                                                 f"with {tensors}"):
+            parts.check_header(path, parts.PartedGGUF(name, tensors, ()))
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))
     with pytest.raises(ModelFileError, match="GGUF magic"):
-        parts.check_header(not_gguf, parts.QWEN_05B)
+        parts.check_header(not_gguf, parts.QWEN_15B)
 
 
 def test_the_large_model_absent_says_how_to_install_it(tmp_path, monkeypatch):
