@@ -79,9 +79,14 @@ def cache_bytes(cache) -> str:
 
 
 def load_model(args: argparse.Namespace):
-    """The model of --model in --dtype, running attention with --attention-impl."""
+    """The model of --model in --dtype, running attention with --attention-impl. A bundled model's first use says
+    that it is converted (once) before the wait."""
     from kvzip_jax.weights import registry
+    from kvzip_jax.weights.checkpoint import is_checkpoint
 
+    if args.model in registry.BUNDLED and not is_checkpoint(registry.default_checkpoints_dir() / args.model):
+        print(f"converting the bundled model {args.model} into {registry.default_checkpoints_dir() / args.model} "
+              "(once; a minute or two)", file=sys.stderr, flush=True)
     model = registry.load(args.model, dtype=args.dtype)
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention_impl=args.attention_impl))
 
