@@ -128,6 +128,26 @@ def test_load_bundled_converts_once(tmp_path, monkeypatch, smollm2_gguf):
     assert_trees_equal(second.params, jax.tree.map(np.asarray, first.params))
 
 
+def test_cli_says_a_bundled_model_is_converted_before_the_wait(tmp_path, monkeypatch, capsys):
+    """The CLI's loader prints one line before a bundled model's first conversion, and none once it is converted."""
+    import argparse
+
+    from kvzip_jax.cli import common
+
+    monkeypatch.setenv("KVZIP_CHECKPOINTS", str(tmp_path))
+    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1, num_kv_heads=1,
+                      head_dim=4, intermediate_size=4, rms_norm_eps=1e-5, max_position=64, rope=RopeSpec(10000.0))
+    loaded = registry.LoadedModel(registry.QWEN_LARGE, cfg, {}, None)
+    monkeypatch.setattr(registry, "load", lambda *a, **k: loaded)
+    args = argparse.Namespace(model=registry.QWEN_LARGE, dtype="float32", attention_impl="xla")
+    common.load_model(args)
+    assert f"converting the bundled model {registry.QWEN_LARGE} into {tmp_path / registry.QWEN_LARGE} (once" \
+        in capsys.readouterr().err
+    monkeypatch.setattr("kvzip_jax.weights.checkpoint.is_checkpoint", lambda _: True)
+    common.load_model(args)
+    assert capsys.readouterr().err == ""
+
+
 # ---------------------------------------------------------------- SmolLM2 (module-scoped: one transformers load)
 
 @pytest.fixture(scope="module")
