@@ -10,7 +10,6 @@ model not yet converted is converted there, in a subprocess.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import resource
 import subprocess
@@ -198,10 +197,9 @@ def _checkpoints_dir() -> Path:
 
 
 def _bundled_gguf(name: str) -> Path:
-    absent = [p for p in registry.PACKAGES[name] if importlib.util.find_spec(p) is None]
-    if absent:
+    if not registry.installed(name):
         how = "make models-large" if name in registry.ON_DEMAND else registry.install_command(name)
-        pytest.skip(f"bundled model {name} not installed ({len(absent)} packages absent, {absent[0]} first): {how}")
+        pytest.skip(f"bundled model {name} not installed: {how}")
     return registry.bundled_gguf(name, _checkpoints_dir())
 
 

