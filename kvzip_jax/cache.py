@@ -298,6 +298,14 @@ def grown(cache: KVCache, extra: int) -> KVCache:
     return KVCache(layers=tuple(grow(layer) for layer in cache.layers), next_position=jnp.copy(cache.next_position))
 
 
+def tiled_rows(cache: KVCache, copies: int) -> KVCache:
+    """`copies` copies of a cache's batch (or a layer's) stacked along it: row c B + b is row b. New arrays, even
+    for one copy (the result may be donated)."""
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    return jax.tree.map(lambda x: jnp.concatenate([x] * copies, axis=0) if copies > 1 else jnp.copy(x), cache)
+
+
 def kept_per_head(cache: KVCache) -> jax.Array:
     """[L, B, K] visible filled slots of every head (what pack needs room for)."""
     return jnp.stack([visible_slots(layer).sum(-1) if isinstance(layer, LayerCache) else layer.lengths

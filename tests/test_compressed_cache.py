@@ -231,3 +231,20 @@ def test_mask_context_hides_exactly_the_evicted_slots(level):
         np.testing.assert_allclose(np.asarray(logits)[0], expected, atol=2e-4, rtol=0)
     full_logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], _context_cache())
     assert np.abs(np.asarray(full_logits)[0] - expected).max() > 1e-2  # the eviction is visible at this tolerance
+
+
+@pytest.mark.parametrize("form", ["masked", "ragged"])
+def test_tiled_rows_copy_every_row_and_decode_as_it(form):
+    """kv.tiled_rows: row c B + b of the tiled cache is row b (every leaf, ragged too), in new arrays (the tiled
+    cache may be donated), and each copy continues exactly as the cache it came from."""
+    masked = _masked(keep_mask(SCORES, jnp.array([CONTEXT]), 0.3, "pair"))
+    cache = masked if form == "masked" else kv.pack(masked, room=len(QUESTION) + 4, multiple=kv.RAGGED_BLOCK)
+    tiled = kv.tiled_rows(cache, 3)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(tiled)):
+        np.testing.assert_array_equal(np.asarray(b), np.concatenate([np.asarray(a)] * 3))
+    assert all(a is not b for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(kv.tiled_rows(cache, 1))))
+    logits, _ = gen.prefill(PARAMS, CFG, [QUESTION] * 3, tiled)
+    alone, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, cache))
+    np.testing.assert_allclose(np.asarray(logits), np.repeat(np.asarray(alone), 3, axis=0), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="copies"):
+        kv.tiled_rows(cache, 0)

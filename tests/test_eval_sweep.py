@@ -325,6 +325,18 @@ def test_self_study_turns_join_the_attention_matching_fit(model, tmp_path):
         sw.SweepConfig(methods=("kvzip",), self_study=True)
 
 
+def test_self_study_turns_and_query_cap_are_part_of_a_sweeps_identity(model):
+    """How many and how long the self-study turns are, and a query cap other than the default, change the answers:
+    the results file's settings name them; bad counts fail when the config is made."""
+    config = sw.SweepConfig(methods=("am-hak",), self_study=True, self_study_samples=4, self_study_tokens=32)
+    settings = config.settings(model)
+    assert settings["self_study"] == dict(samples=4, max_new_tokens=32) and "query_cap" not in settings
+    assert dataclasses.replace(config, query_cap=100).settings(model)["query_cap"] == 100
+    for field in ("self_study_samples", "self_study_tokens", "query_cap"):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(config, **{field: 0})
+
+
 def test_a_profile_method_needs_the_models_searched_budgets(model, tmp_path, monkeypatch):
     """am-hak-pb takes the model's budget profile: none for this model fails before any work, naming the search;
     with one it sweeps, every answer recorded with a finite KL."""

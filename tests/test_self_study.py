@@ -1,12 +1,18 @@
 """Self-study probes (matching.self_study) on a tiny random model with SmolLM2's tokenizer: the turns are sampled
 reproducibly, the cache is left as it was, and they serve as reference queries for compact."""
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, matching, prompts
+from kvzip_jax.kvzip import scoring
+from kvzip_jax.models.transformer import forward
 from kvzip_jax.matching import self_study
 from kvzip_jax.weights import registry
 from tests.conftest import bundled_tokenizer
@@ -63,3 +69,89 @@ def test_self_study_probes_serve_as_reference_queries(setup):
     repeat_only, _ = matching.compact(model.params, model.cfg, cache, reread,
                                       matching.MatchingConfig(ratio=0.3))
     assert not np.allclose(np.asarray(out.layers[0].v), np.asarray(repeat_only.layers[0].v))  # the probes count
+
+
+def test_samples_of_every_prompt_are_written_in_batches(setup):
+    """samples=2: P x 2 turns, prompt-major, each its prompt then a sampled answer; two samples of one prompt differ
+    (rows of one batch draw independently); max_rows bounds a batch without changing what the turns are made of."""
+    model, cache, _ = setup
+    P, B = len(self_study.PROMPTS), cache.batch_size
+    for max_rows in (None, B):  # all 2 P B rows at once; one turn (B rows) per batch
+        got = self_study.probes(model.params, model.cfg, model.tokenizer, cache, samples=2, max_new_tokens=10,
+                                seed=1, max_rows=max_rows)
+        assert got.tokens.shape[:2] == (2 * P, B)
+        for turn in range(2 * P):
+            suffix = prompts.question_suffix(model.tokenizer, self_study.PROMPTS[turn // 2])
+            for b in range(B):
+                assert len(suffix) < int(got.num_valid[turn, b]) <= len(suffix) + 10
+                np.testing.assert_array_equal(np.asarray(got.tokens[turn, b, :len(suffix)]), suffix)
+        assert not np.array_equal(np.asarray(got.tokens[0]), np.asarray(got.tokens[1]))
+    with pytest.raises(ValueError, match="samples"):
+        self_study.probes(model.params, model.cfg, model.tokenizer, cache, samples=0)
+
+
+def test_the_probes_pass_captures_each_probe_on_its_own_row(setup):
+    """The self-study source runs every probe in one pass over the tiled cache; its captured queries equal an oracle
+    that runs each probe alone on the cache (rows g R + p W + w: query head g, probe p, position w)."""
+    model, cache, _ = setup
+    cfg = model.cfg
+    probes = self_study.probes(model.params, cfg, model.tokenizer, cache, max_new_tokens=6)
+    P, B, W = probes.tokens.shape
+    G = cfg.group_size
+    got = matching.reference_queries(model.params, cfg, kv.grown(cache, W), None, ("self-study",), cap=G * P * W,
+                                     probes=probes)
+    assert bool(got.self_study.all()) and got.self_study.shape == (G * P * W,)
+    rows = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
+    for p in range(P):
+        _, _, aux = forward(model.params, probes.tokens[p], scoring.after_cache(cache, W), kv.grown(cache, W), cfg,
+                            matching.queries.QueryObserver(rows), num_new=probes.num_valid[p], logits=None)
+        for layer, (captured, _) in zip(got.q, aux["observed"]):  # captured [B, K, G, W, H]
+            mine = layer.reshape(B, cfg.num_kv_heads, G, P, W, -1)[:, :, :, p]
+            n = np.asarray(probes.num_valid[p])
+            for b in range(B):
+                np.testing.assert_allclose(np.asarray(mine[b, :, :, :n[b]]), np.asarray(captured[b, :, :, :n[b]]),
+                                           atol=1e-4, rtol=1e-4)  # float32 sums over another batch shape
+        valid = np.asarray(got.valid).reshape(B, G, P, W)[:, :, p]
+        assert (valid == (np.arange(W)[None, None, :] < np.asarray(probes.num_valid[p])[:, None, None])).all()
+
+
+def test_thinned_keeps_evenly_spaced_self_study_rows_and_the_others(setup):
+    """thinned(queries, n): exactly min(n, valid self-study rows) of each batch row's self-study rows stay valid,
+    spread over them; the repeat rows are untouched; n = 0 leaves the repeat rows alone."""
+    model, cache, reread = setup
+    probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
+    queries = matching.reference_queries(model.params, model.cfg, kv.grown(cache, probes.tokens.shape[2]), reread,
+                                         ("repeat", "self-study"), cap=4096, probes=probes)
+    marked = np.asarray(queries.self_study)
+    valid = np.asarray(queries.valid)
+    studied = valid & marked[None, :]
+    for n in (0, 5, 40, 10 ** 6):
+        thin = np.asarray(matching.thinned(queries, n).valid)
+        np.testing.assert_array_equal(thin[:, ~marked], valid[:, ~marked])
+        for b in range(cache.batch_size):
+            kept = np.flatnonzero(thin[b] & marked)
+            assert len(kept) == min(n, studied[b].sum())
+            assert set(kept) <= set(np.flatnonzero(studied[b]))
+            if 1 < n < studied[b].sum():  # evenly spaced: ranks among the studied rows step by total / n
+                ranks = np.searchsorted(np.flatnonzero(studied[b]), kept)
+                assert np.diff(ranks).max() <= -(-studied[b].sum() // n)
+    with pytest.raises(ValueError, match="self_study_queries"):
+        matching.MatchingConfig(self_study_queries=4)  # no self-study source
+
+
+def test_no_self_study_rows_fit_as_the_reread_alone(setup):
+    """self_study_queries=0 with both sources (every repeat row captured either way) compacts as the repeat source
+    alone; more self-study rows change the fit."""
+    model, cache, reread = setup
+    probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
+    roomy = kv.grown(cache, probes.tokens.shape[2])
+    both = matching.reference_queries(model.params, model.cfg, roomy, reread, ("repeat", "self-study"), cap=8192,
+                                      probes=probes)
+    alone = matching.reference_queries(model.params, model.cfg, roomy, reread, ("repeat",), cap=4096)
+    config = matching.MatchingConfig(ratio=0.3, sources=("repeat", "self-study"))
+    none, _ = matching.compact_with(both, model.cfg, roomy, reread, dataclasses.replace(config, self_study_queries=0))
+    some, _ = matching.compact_with(both, model.cfg, roomy, reread, dataclasses.replace(config, self_study_queries=64))
+    base, _ = matching.compact_with(alone, model.cfg, roomy, reread, matching.MatchingConfig(ratio=0.3))
+    for a, b in zip(jax.tree.leaves(none), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(np.asarray(some.layers[0].v), np.asarray(none.layers[0].v))

@@ -39,7 +39,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = SweepConfig(methods=tuple(_csv(args.methods)), ratios=ratios, modes=tuple(_csv(args.modes)),
                              batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed,
-                             instruction=instruction, self_study=args.self_study)
+                             instruction=instruction, self_study=args.self_study,
+                             self_study_samples=args.self_study_samples, self_study_tokens=args.self_study_tokens,
+                             **({} if args.query_cap is None else {"query_cap": args.query_cap}))
     except ValueError as e:
         args.subparser.error(str(e))
     names = _csv(args.tasks) if args.tasks else ([] if args.jsonl else list(tasks.TASKS))
@@ -142,6 +144,12 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--self-study", action="store_true", help="Attention Matching methods: add reference "
                         "queries from turns the model writes about each context (a summary, its facts, questions "
                         "and answers), beside the reread's")
+    parser.add_argument("--self-study-samples", type=int, default=1, metavar="N", help="with --self-study: turns "
+                        "sampled per prompt and context, all written in one batch (default 1)")
+    parser.add_argument("--self-study-tokens", type=int, default=64, metavar="N", help="with --self-study: most "
+                        "tokens of a sampled answer (default 64)")
+    parser.add_argument("--query-cap", type=int, metavar="N", help="Attention Matching: most reference queries "
+                        "per KV head and layer, split evenly over the sources (default MatchingConfig's, 8192)")
     parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
     parser.add_argument("--instruction", default="kvzip", help="text that opens every user message before the "
                         'context, in the never-evicted prefix: "kvzip" (default) for '

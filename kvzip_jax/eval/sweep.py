@@ -72,6 +72,9 @@ class SweepConfig:
     seed: int = 0  # the random baseline's key
     instruction: str | None = prompts.KVZIP_INSTRUCTION  # opens the user message before the context (prefix)
     self_study: bool = False  # Attention Matching: self-study turns as reference queries beside the reread
+    self_study_samples: int = 1  # turns per self-study prompt and context (matching.self_study.probes)
+    self_study_tokens: int = 64  # most tokens of a self-study answer
+    query_cap: int = matching.MatchingConfig().query_cap  # most reference rows per KV head and layer, all sources
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(METHODS))
@@ -85,6 +88,8 @@ class SweepConfig:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.self_study and not set(self.methods) & set(matching.METHODS):
             raise ValueError("self_study adds Attention Matching reference queries: name an am-* or kvzip-am method")
+        if min(self.self_study_samples, self.self_study_tokens, self.query_cap) < 1:
+            raise ValueError("self_study_samples, self_study_tokens and query_cap must be >= 1")
 
     def modes_of(self, method: str) -> tuple[str, ...]:
         return self.modes if method in baselines.QUERY_AWARE else ("reuse",)
@@ -95,7 +100,10 @@ class SweepConfig:
         return dict(version=RESULTS_VERSION, model=model.name, **{f"model_{k}": v for k, v in
                                                                   model_identity(model.cfg, model.params).items()},
                     tokenizer=tokenizer_hash(model.tokenizer), instruction=self.instruction,
-                    chunk_size=self.chunk_size, seed=self.seed, **({"self_study": True} if self.self_study else {}))
+                    chunk_size=self.chunk_size, seed=self.seed,
+                    **({"self_study": dict(samples=self.self_study_samples, max_new_tokens=self.self_study_tokens)}
+                       if self.self_study else {}),
+                    **({"query_cap": self.query_cap} if self.query_cap != matching.MatchingConfig().query_cap else {}))
 
 
 def example_hash(ex: Example) -> str:
@@ -237,15 +245,18 @@ class _Shared:
 
     def probes(self) -> matching.Probes | None:
         """The self-study turns the model writes about each context (None unless the sweep asks for them)."""
-        if self._probes is None and self._sweep.config.self_study:
+        config = self._sweep.config
+        if self._probes is None and config.self_study:
             self._probes = matching.self_study.probes(self._sweep.params, self._sweep.model.cfg,
-                                                      self._sweep.model.tokenizer, self._cache)
+                                                      self._sweep.model.tokenizer, self._cache,
+                                                      samples=config.self_study_samples,
+                                                      max_new_tokens=config.self_study_tokens)
         return self._probes
 
     def queries(self) -> matching.ReferenceQueries:
         if self._queries is None:
             self._queries = _reference_queries(self._sweep.params, self._sweep.model.cfg, self._cache, self.reread(),
-                                               self.sources, matching.MatchingConfig().query_cap, with_scores=True,
+                                               self.sources, self._sweep.config.query_cap, with_scores=True,
                                                probes=self.probes())
         return self._queries
 

@@ -21,7 +21,7 @@ from kvzip_jax.matching.compact import (
     method_config,
 )
 from kvzip_jax.matching.fit import attend, fit_head, mixture, nnls_box
-from kvzip_jax.matching.queries import SOURCES, Probes, ReferenceQueries, reference_queries
+from kvzip_jax.matching.queries import SOURCES, Probes, ReferenceQueries, reference_queries, thinned
 from kvzip_jax.matching.refine import matching_loss, refine_head
 from kvzip_jax.matching.select import (
     AGGREGATIONS,
@@ -34,4 +34,4 @@ __all__ = ["AGGREGATIONS", "BUDGETS", "METHODS", "SELECTORS", "SOURCES", "Budget
            "Probes", "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with",
            "effective_ratio", "fit_head", "head_counts", "highest_attention_keys", "load_profile", "method_config",
            "mixture", "nnls_box", "matching_loss", "orthogonal_matching_pursuit", "reference_queries", "refine_head",
-           "self_study"]
+           "self_study", "thinned"]

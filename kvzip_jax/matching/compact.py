@@ -59,6 +59,7 @@ from kvzip_jax.matching.queries import (
     reference_passes,
     reference_queries,
     stack_rows,
+    thinned,
 )
 from kvzip_jax.matching.refine import refine_head
 from kvzip_jax.matching.select import AGGREGATIONS, OMP_UPPER, attention_key_scores, orthogonal_matching_pursuit
@@ -89,7 +90,9 @@ class MatchingConfig:
     scores, or the reference queries' aggregated attention); head_cap: under global and profile budgets a head keeps
     at most this fraction of its context keys (the paper's 0.75; budgets.head_caps); profile: the profile budget's
     shares, one row per compacted layer of one share per KV head (budgets.load_profile).
-    sources: reference query sources (queries.SOURCES); query_cap: most reference rows per KV head and layer.
+    sources: reference query sources (queries.SOURCES); query_cap: most reference rows per KV head and layer;
+    self_study_queries: most self-study rows per KV head and layer the fit takes, evenly spaced among those captured
+    (queries.thinned; None: all), so that one capture serves several counts (off-policy only).
     omp_step, omp_refit: OMP's keys per step and steps per refit (1, 1: exact; 4, 2: AM-OMP-fast).
     on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
     < l are already compacted; the sources are then repeat and self-study.
@@ -109,6 +112,7 @@ class MatchingConfig:
     profile: tuple[tuple[float, ...], ...] | None = None
     sources: tuple[str, ...] = ("repeat",)
     query_cap: int = 8192
+    self_study_queries: int | None = None
     omp_step: int = 1
     omp_refit: int = 1
     same_bytes: bool = True
@@ -138,6 +142,13 @@ class MatchingConfig:
             raise ValueError(f"value_ridge must be > 0, got {self.value_ridge}")
         if self.needs_kvzip_scores and "repeat" not in self.sources:
             raise ValueError("KVzip's scores (selector kvzip, or global budgets by kvzip) need the 'repeat' source")
+        if self.self_study_queries is not None:
+            if self.self_study_queries < 0 or "self-study" not in self.sources:
+                raise ValueError(f"self_study_queries counts self-study rows (>= 0, with the 'self-study' source), "
+                                 f"got {self.self_study_queries} with sources {self.sources}")
+            if self.on_policy:
+                raise ValueError("self_study_queries thins queries captured once: on-policy compaction captures "
+                                 "them layer by layer")
         if self.on_policy and "context" in self.sources:
             raise ValueError("on-policy compaction takes the repeat and self-study sources, not 'context'")
 
@@ -202,6 +213,8 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     if config.on_policy:
         raise ValueError("on-policy compaction runs the model layer by layer: call compact, not compact_with")
     _check_compactable(cache, queries, config)
+    if config.self_study_queries is not None:
+        queries = thinned(queries, config.self_study_queries)
     span = reread if isinstance(reread, scoring.ContextSpan) else reread.span
     size, counts, attention = _budget(queries, cfg, cache, span, config, selecting=True)
     if size is None:
@@ -359,13 +372,14 @@ def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scor
     compacted = set(scoring.evictable_layers(cfg))
     for i in range(cfg.num_layers):
         if i in compacted:
-            observed = [_observed_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid,
+            observed = [_observed_block(params, cfg, i, x, p.positions, p.cache_under(cache.layers[i]), p.num_valid,
                                         QueryObserver(p.rows, p.scorer)) for x, p in zip(streams, passes)]
-            fitted = _fit_layer(cfg, config, size, cache.layers[i], reread.span, counts[i], [o[0] for o in observed],
-                                [p.valid for p in passes], [o[1] for o, p in zip(observed, passes) if p.scorer])
+            folded = [p.folded(o[0]) for o, p in zip(observed, passes)]
+            fitted = _fit_layer(cfg, config, size, cache.layers[i], reread.span, counts[i], [q for q, _ in folded],
+                                [v for _, v in folded], [o[1] for o, p in zip(observed, passes) if p.scorer])
             cache = _written(cache, reread.span, (i,), fitted, config.fit_bias)
         if i < cfg.num_layers - 1:
-            streams = [_block(params, cfg, i, x, p.positions, cache.layers[i], p.num_valid)
+            streams = [_block(params, cfg, i, x, p.positions, p.cache_under(cache.layers[i]), p.num_valid)
                        for x, p in zip(streams, passes)]
     return cache, counts
 

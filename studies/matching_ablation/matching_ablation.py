@@ -99,6 +99,8 @@ def main() -> int:
     parser.add_argument("--contexts", default="6")
     parser.add_argument("--context-tokens", default="640")
     parser.add_argument("--seed", default="0", help="the generated tasks' seed (1: the held-out contexts)")
+    parser.add_argument("--batch-size", default="8", help="contexts per batch")
+    parser.add_argument("--questions-per-context", help="ask only the first N questions of each context")
     parser.add_argument("--out", default="runs/am-ablation")
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
     parser.add_argument("--fit-sources", help="the reference query sources the fit takes (comma-separated, among "
@@ -119,9 +121,10 @@ def main() -> int:
     matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
     sweep.METHODS = sweep.METHODS + tuple(extra)
     return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
-                     "--context-tokens", args.context_tokens, "--batch-size", "8", "--methods", args.methods,
+                     "--context-tokens", args.context_tokens, "--batch-size", args.batch_size, "--methods", args.methods,
                      "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
                     + (["--jsonl", args.jsonl] if args.jsonl else [])
+                    + (["--questions-per-context", args.questions_per_context] if args.questions_per_context else [])
                     + (["--self-study"] if fit_sources and "self-study" in fit_sources else []))
 
 
@@ -147,7 +150,8 @@ def _fit_queries(shared, sources: tuple[str, ...]) -> matching.ReferenceQueries:
         inputs = (shared._sweep.params, shared._sweep.model.cfg, shared._cache, shared.reread())
         scores = sweep._reference_queries(*inputs, ("repeat",), cap, with_scores=True).kvzip_scores
         rows = sweep._reference_queries(*inputs, sources, cap, probes=shared.probes())
-        shared._queries = matching.ReferenceQueries(q=rows.q, valid=rows.valid, kvzip_scores=scores)
+        shared._queries = matching.ReferenceQueries(q=rows.q, valid=rows.valid, kvzip_scores=scores,
+                                                   self_study=rows.self_study)
     return shared._queries
 
 

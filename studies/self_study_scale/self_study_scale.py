@@ -1,0 +1,99 @@
+"""Attention Matching at extreme ratios against the number of self-study queries it is fitted to (issue 38 item 4).
+
+    python studies/self_study_scale/self_study_scale.py --model qwen2.5-coder-1.5b-instruct [--counts 0,1024,4096,16384]
+        [--samples 6] [--tokens 192] [--tasks passkey,niah,multi_needle,variable_tracking] [--jsonl FILE]
+        [--contexts 1] [--questions-per-context 3] [--ratios 1,0.05,0.02] [--out runs/self-study-scale]
+
+One `kvzip-jax eval --self-study` sweep: per context the model writes `--samples` turns to each of the three
+self-study prompts (matching.self_study.PROMPTS, up to `--tokens` tokens each, all turns in one batch under one
+jitted decode loop), and one reference pass captures KVzip's reread and those turns, up to the largest count of
+self-study queries per KV head and layer (a query is one token row of one query head; the reread's rows are all
+captured). Methods: kvzip, and for every count N of --counts am-hak-ssN and am-hak-kb-ssN, Attention Matching (HAK's
+keys; budgets from the reference queries' attention, or KVzip's per-head budgets) fitted to the reread plus N
+self-study queries evenly spaced among those captured (MatchingConfig.self_study_queries; N = 0 is the reread
+alone, the product's am-hak / am-hak-kb). The self-study rows each context really had are written to
+OUT/self_study_rows.json (turns that stop early give fewer than the largest count). The query-aware upper bound
+runs beside it with studies/matching_ablation (`--fit-sources oracle`, the same contexts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from kvzip_jax import cli, matching
+from kvzip_jax.eval import sweep
+
+SOURCES = ("repeat", "self-study")
+
+
+def variants(counts: list[int]) -> dict[str, dict]:
+    """Method name -> MatchingConfig choices: am-hak and am-hak-kb fitted to N self-study queries, per count N."""
+    out = {}
+    for n in counts:
+        for name in ("am-hak", "am-hak-kb"):
+            out[f"{name}-ss{n}"] = dict(matching.METHODS[name], sources=SOURCES, self_study_queries=n)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    parser.add_argument("--counts", default="0,1024,4096,16384", help="self-study queries per KV head and layer")
+    parser.add_argument("--samples", type=int, default=6, help="turns per self-study prompt and context")
+    parser.add_argument("--tokens", type=int, default=192, help="most tokens of a self-study answer")
+    parser.add_argument("--tasks", default="passkey,niah,multi_needle,variable_tracking")
+    parser.add_argument("--jsonl", help="a JSONL task as well (bench/results/quality.jsonl: the 48 questions)")
+    parser.add_argument("--contexts", default="1", help="generated contexts per task")
+    parser.add_argument("--context-tokens", default="640")
+    parser.add_argument("--questions-per-context", default="3")
+    parser.add_argument("--ratios", default="1,0.05,0.02")
+    parser.add_argument("--batch-size", default="1", help="contexts per batch")
+    parser.add_argument("--seed", default="0")
+    parser.add_argument("--out", default="runs/self-study-scale")
+    args = parser.parse_args(argv)
+    counts = sorted({int(c) for c in args.counts.split(",")})
+    if counts[0] < 0:
+        parser.error("--counts are numbers of queries, >= 0")
+    extra = variants(counts)
+    matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
+    sweep.METHODS = sweep.METHODS + tuple(extra)
+    _count_rows(Path(args.out) / "self_study_rows.json")
+    methods = ",".join(["kvzip"] + list(extra))
+    return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
+                     "--context-tokens", args.context_tokens, "--questions-per-context", args.questions_per_context,
+                     "--batch-size", args.batch_size, "--methods", methods, "--ratios", args.ratios, "--seed",
+                     args.seed, "--self-study", "--self-study-samples", str(args.samples), "--self-study-tokens",
+                     str(args.tokens), "--query-cap", str(2 * max(max(counts), 1)), "--out", args.out]
+                    + (["--jsonl", args.jsonl] if args.jsonl else []))
+
+
+def _count_rows(path: Path) -> None:
+    """Makes the sweep record, per example, the valid self-study rows per KV head and layer its reference pass
+    captured (path rewritten after every batch's pass)."""
+    seen, batch_ids = (json.loads(path.read_text()) if path.exists() else {}), []
+    run, queries = sweep.Sweep.run, sweep._Shared.queries
+
+    def running(self, batch, capacity):
+        batch_ids[:] = [f"{ex.task}/{ex.id}" for ex in batch.examples]
+        return run(self, batch, capacity)
+
+    def counted(shared):
+        got = queries(shared)
+        studied = np.asarray(got.valid) & np.asarray(got.self_study)[None, :]  # [B, R]
+        if batch_ids:
+            seen.update({name: int(studied[b].sum()) for b, name in enumerate(batch_ids)})
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(seen, indent=1, sort_keys=True) + "\n")
+            batch_ids.clear()
+        return got
+
+    sweep.Sweep.run, sweep._Shared.queries = running, counted
+
+
+if __name__ == "__main__":
+    sys.exit(main())
