@@ -14,6 +14,12 @@ self-study queries evenly spaced among those captured (MatchingConfig.self_study
 alone, the product's am-hak / am-hak-kb). The self-study rows each context really had are written to
 OUT/self_study_rows.json (turns that stop early give fewer than the largest count). The query-aware upper bound
 runs beside it with studies/matching_ablation (`--fit-sources oracle`, the same contexts).
+
+    python studies/self_study_scale/self_study_scale.py --curve --out DIR [--oracle ORACLE_DIR]
+
+writes DIR/curve.md and DIR/curve.png from the sweep's results: per ratio, the normalised score (all tasks pooled,
+95% bootstrap interval over contexts) and the mean KL of am-hak and am-hak-kb against the number of self-study
+queries, KVzip's (and the oracle's, from ORACLE_DIR's am-hak-cap1 and am-hak-kb) beside them, and per task.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from kvzip_jax import cli, matching
-from kvzip_jax.eval import sweep
+from kvzip_jax.eval import report, sweep
 
 SOURCES = ("repeat", "self-study")
 
@@ -55,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", default="1", help="contexts per batch")
     parser.add_argument("--seed", default="0")
     parser.add_argument("--out", default="runs/self-study-scale")
+    parser.add_argument("--curve", action="store_true", help="run nothing: write curve.md and curve.png in --out")
+    parser.add_argument("--oracle", help="with --curve: a matching_ablation --fit-sources oracle folder")
     args = parser.parse_args(argv)
+    if args.curve:
+        curve(Path(args.out), Path(args.oracle) if args.oracle else None)
+        return 0
     counts = sorted({int(c) for c in args.counts.split(",")})
     if counts[0] < 0:
         parser.error("--counts are numbers of queries, >= 0")
@@ -70,6 +81,79 @@ def main(argv: list[str] | None = None) -> int:
                      args.seed, "--self-study", "--self-study-samples", str(args.samples), "--self-study-tokens",
                      str(args.tokens), "--query-cap", str(2 * max(max(counts), 1)), "--out", args.out]
                     + (["--jsonl", args.jsonl] if args.jsonl else []))
+
+
+ORACLE = {"am-hak-cap1": "oracle am-hak (no head cap)", "am-hak-kb": "oracle am-hak-kb"}
+
+
+def curve(out: Path, oracle: Path | None = None) -> None:
+    """curve.md and curve.png in out: score and KL against the self-study queries (module docstring)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = report.read_records(out / "results.jsonl")
+    if oracle is not None:  # its full-cache rows are the same computation; its methods renamed
+        records += [dict(r, method=ORACLE[r["method"]]) for r in report.read_records(oracle / "results.jsonl")
+                    if r["method"] in ORACLE]
+    pooled = report.summarize([dict(r, task="all tasks") for r in records])
+    rows = report.summarize(records) + pooled
+    counts = sorted({int(r["method"].rsplit("-ss", 1)[1]) for r in records if "-ss" in r["method"]})
+    ratios = sorted({r["ratio"] for r in records if r["ratio"] < 1}, reverse=True)
+    at = {(r["task"], r["method"], r["ratio"]): r for r in rows}
+    flat = [m for m in ("kvzip",) + tuple(ORACLE.values()) if any(k[1] == m for k in at)]
+    lines = ["# Score and KL against the self-study queries per KV head\n",
+             "Normalised score: % of the full cache's (95% bootstrap interval over contexts, pooled row); KL: mean "
+             "next-token KL(full || compressed), teacher-forced.\n"]
+    for ratio in ratios:
+        lines += [f"\n## ratio {ratio}\n", "| task | method | " + " | ".join(f"{n}" for n in counts) + " |",
+                  "|---|---|" + "---:|" * len(counts)]
+        tasks = sorted({k[0] for k in at if k[0] != "all tasks"}) + ["all tasks"]
+        for task in tasks:
+            for name in ("am-hak", "am-hak-kb"):
+                cells = [at.get((task, f"{name}-ss{n}", ratio)) for n in counts]
+                lines.append(f"| {task} | {name} | " + " | ".join(_cell(c) for c in cells) + " |")
+            for m in flat:
+                c = at.get((task, m, ratio))
+                lines.append(f"| {task} | {m} | {_cell(c)} (any count) |" + " |" * (len(counts) - 1))
+    (out / "curve.md").write_text("\n".join(lines) + "\n")
+
+    fig, axes = plt.subplots(2, len(ratios), figsize=(5 * len(ratios), 7), squeeze=False)
+    xs = np.arange(len(counts))
+    for j, ratio in enumerate(ratios):
+        for i, value in enumerate(("normalised", "kl")):
+            ax = axes[i, j]
+            for name in ("am-hak", "am-hak-kb"):
+                got = [at.get(("all tasks", f"{name}-ss{n}", ratio)) for n in counts]
+                ax.plot(xs, _values(got, value), marker="o", label=name)
+                if value == "normalised":
+                    ax.fill_between(xs, _values(got, "normalised_lo"), _values(got, "normalised_hi"), alpha=0.15)
+            for m, style in zip(flat, ("--", ":", "-.")):
+                g = at.get(("all tasks", m, ratio))
+                if g is not None and g[value] is not None:
+                    ax.axhline(g[value], linestyle=style, color="gray" if m == "kvzip" else "black", label=m)
+            ax.set_xticks(xs, [str(n) for n in counts])
+            ax.set_xlabel("self-study queries per KV head and layer")
+            ax.set_ylabel("score / full cache's (%)" if value == "normalised" else "KL(full || compressed)")
+            ax.set_title(f"ratio {ratio}, all tasks")
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "curve.png", dpi=110)
+    plt.close(fig)
+
+
+def _values(rows: list[dict | None], field: str) -> list[float]:
+    return [np.nan if r is None or r[field] is None else r[field] for r in rows]
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "-"
+    lo, hi = row.get("normalised_lo"), row.get("normalised_hi")
+    interval = f" [{lo:.0f}, {hi:.0f}]" if lo is not None else ""
+    norm = "-" if row["normalised"] is None else f"{row['normalised']:.0f}"
+    return f"{norm}{interval} / {row['kl']:.2f}"
 
 
 def _count_rows(path: Path) -> None:
