@@ -1,0 +1,126 @@
+"""Asymmetric group quantization along the last axis (QServe-style per token and KV head, groups along the head
+dimension; reference/mla_quant.md §4-5).
+
+Each group of `group` consecutive elements x gets a zero point z (its minimum, rounded down to the scale dtype) and a
+scale s ((max - z) / (2^bits - 1), rounded up), both stored in bfloat16 or float16; codes c = round((x - z) / s) in
+[0, 2^bits - 1], so x is z + c s to within s / 2 (error_bound). int8 codes take a uint8 each; int4 codes are packed
+two per uint8 (element 2i in the low nibble, 2i + 1 in the high one): `jnp.int4` arrays do not report packed bytes,
+so bytes are counted from shapes (Quantized.nbytes).
+
+Einsum legend: D last axis (head dim), N groups per row (D / group), g elements per group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BITS = (8, 4)
+SCALE_DTYPES = ("bfloat16", "float16")
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """bits: 8 or 4; group: elements per scale along the last axis (it must divide it); scale_dtype: of the scales
+    and zero points."""
+
+    bits: int = 4
+    group: int = 64
+    scale_dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {self.bits}")
+        if self.group < 2 or self.group % 2:
+            raise ValueError(f"group must be an even number >= 2, got {self.group}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    def group_for(self, width: int) -> int:
+        """The group along an axis of `width` elements: `group`, or the whole axis when it is shorter."""
+        group = min(self.group, width)
+        if group < 2 or width % group or group % 2:
+            raise ValueError(f"a group of {group} does not split an axis of {width} elements into even groups")
+        return group
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """codes [..., D] uint8 (int8 format) or [..., D / 2] uint8 (int4, packed); scale, zero [..., N] in the scale
+    dtype; bits static."""
+
+    codes: jax.Array
+    scale: jax.Array
+    zero: jax.Array
+    bits: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def width(self) -> int:
+        """D: the elements of a row."""
+        return self.codes.shape[-1] * (2 if self.bits == 4 else 1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes from shapes: codes (one byte per uint8, two int4 codes in one), scales and zero points."""
+        return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in (self.codes, self.scale, self.zero)))
+
+
+def pack_int4(codes: jax.Array) -> jax.Array:
+    """[..., D] uint8 codes in [0, 15] -> [..., D / 2] uint8, element 2i in the low nibble, 2i + 1 in the high."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"int4 packing needs an even last axis, got {codes.shape[-1]}")
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed: jax.Array) -> jax.Array:
+    """pack_int4's inverse: [..., D / 2] uint8 -> [..., D] uint8 codes."""
+    both = jnp.stack([packed & 0xF, packed >> 4], axis=-1)  # [..., D / 2, 2]
+    return both.reshape(packed.shape[:-1] + (packed.shape[-1] * 2,)).astype(jnp.uint8)
+
+
+def quantize(x: jax.Array, fmt: QuantFormat = QuantFormat()) -> Quantized:
+    """x [..., D] (any float dtype) -> Quantized in fmt, groups along the last axis."""
+    D = x.shape[-1]
+    g = fmt.group_for(D)
+    dtype = jnp.dtype(fmt.scale_dtype)
+    groups = x.astype(jnp.float32).reshape(x.shape[:-1] + (D // g, g))  # [..., N, g]
+    low, high = groups.min(axis=-1), groups.max(axis=-1)  # [..., N]
+    zero = _rounded(low, dtype, up=False)  # stored zero <= every element
+    scale = _rounded((high - zero.astype(jnp.float32)) / fmt.levels, dtype, up=True)  # z + levels s >= max
+    s, z = scale.astype(jnp.float32)[..., None], zero.astype(jnp.float32)[..., None]
+    codes = jnp.where(s > 0, jnp.round((groups - z) / jnp.where(s > 0, s, 1.0)), 0.0)
+    codes = jnp.clip(codes, 0, fmt.levels).astype(jnp.uint8).reshape(x.shape)  # [..., D]
+    return Quantized(codes=pack_int4(codes) if fmt.bits == 4 else codes, scale=scale, zero=zero, bits=fmt.bits)
+
+
+def dequantize(q: Quantized, dtype=jnp.float32) -> jax.Array:
+    """[..., D] in dtype: zero + code x scale per element."""
+    codes = unpack_int4(q.codes) if q.bits == 4 else q.codes
+    N = q.scale.shape[-1]
+    groups = codes.astype(jnp.float32).reshape(codes.shape[:-1] + (N, -1))  # [..., N, g]
+    x = q.zero.astype(jnp.float32)[..., None] + groups * q.scale.astype(jnp.float32)[..., None]
+    return x.reshape(codes.shape).astype(dtype)
+
+
+def error_bound(q: Quantized) -> jax.Array:
+    """[..., D] the most |x - dequantize(q)| can be per element: half its group's scale (float32 arithmetic
+    aside)."""
+    half = q.scale.astype(jnp.float32) / 2  # [..., N]
+    return jnp.repeat(half, q.width // q.scale.shape[-1], axis=-1)
+
+
+def _rounded(x: jax.Array, dtype, up: bool) -> jax.Array:
+    """x (float32) in dtype, rounded up (or down): never below (above) x."""
+    r = x.astype(dtype)
+    wrong = r.astype(jnp.float32) < x if up else r.astype(jnp.float32) > x
+    toward = jnp.array(jnp.inf if up else -jnp.inf, dtype)
+    return jnp.where(wrong, jnp.nextafter(r, toward), r)
