@@ -112,3 +112,27 @@ def test_folded_attention_equals_dequantize_then_attend(bits):
     probs = jax.nn.softmax(quant.folded_logits(q, keys) + bias, axis=-1)
     np.testing.assert_allclose(np.asarray(quant.folded_values(probs, values)),
                                np.asarray(probs @ quant.dequantize(values)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_kivi_keys_group_each_channel_along_tokens(bits):
+    """along="tokens": each channel's groups run over consecutive tokens; the round trip stays within the bound
+    computed along that axis, scales are [T / group, D], and folded logits equal dequantize-then-dot."""
+    x = data((3, 64, 32))  # [B, T, D]
+    fmt = quant.QuantFormat(bits=bits, group=16, along="tokens")
+    q = quant.quantize(jnp.asarray(x), fmt)
+    assert q.scale.shape == (3, 4, 32) and q.codes.shape == (3, 64, 32 if bits == 8 else 16)
+    back = np.asarray(quant.dequantize(q), np.float64)
+    along_tokens = np.swapaxes(bound(np.swapaxes(x, -1, -2), bits, 16, "bfloat16"), -1, -2)
+    assert (np.abs(back - x) <= along_tokens).all()
+    rng = np.random.default_rng(0)
+    keys = quant.quantize(jnp.asarray(rng.normal(size=(48, 32)), jnp.float32), fmt)
+    qs = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(quant.folded_logits(qs, keys)), np.asarray(qs @ quant.dequantize(keys).T),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="per token"):
+        quant.folded_values(jnp.ones((5, 48)) / 48, keys)
+    with pytest.raises(ValueError, match="does not split"):
+        quant.quantize(jnp.ones((40, 32)), fmt)  # 40 tokens in groups of 16
+    with pytest.raises(ValueError, match="along"):
+        quant.QuantFormat(along="channels")

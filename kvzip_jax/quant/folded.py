@@ -14,7 +14,18 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvzip_jax.quant.groups import Quantized, unpack_int4
+from kvzip_jax.quant.groups import Quantized, per_element, unpack_int4
+
+
+def folded_logits(queries: jax.Array, keys: Quantized) -> jax.Array:
+    """queries [Q, H] float, keys quantized rows [T, H] -> [Q, T] float32 queries . dequantized keys."""
+    if keys.along == "tokens":  # KIVI keys: a scale and zero per (token group, channel)
+        codes = (unpack_int4(keys.codes) if keys.bits == 4 else keys.codes).astype(jnp.float32)  # [T, H]
+        scale = per_element(keys, keys.scale.astype(jnp.float32))  # [T, H]
+        zero = per_element(keys, keys.zero.astype(jnp.float32))
+        q = queries.astype(jnp.float32)
+        return jnp.einsum("qh,th,th->qt", q, scale, codes) + jnp.einsum("qh,th->qt", q, zero)
+    return _folded_logits_per_token(queries, keys)
 
 
 def grouped_codes(q: Quantized) -> jax.Array:
@@ -23,8 +34,7 @@ def grouped_codes(q: Quantized) -> jax.Array:
     return codes.astype(jnp.float32).reshape(codes.shape[:-1] + (q.scale.shape[-1], -1))
 
 
-def folded_logits(queries: jax.Array, keys: Quantized) -> jax.Array:
-    """queries [Q, H] float, keys quantized rows [T, H] -> [Q, T] float32 queries . dequantized keys."""
+def _folded_logits_per_token(queries: jax.Array, keys: Quantized) -> jax.Array:
     codes = grouped_codes(keys)  # [T, N, g]
     N, g = codes.shape[-2:]
     qg = queries.astype(jnp.float32).reshape(queries.shape[0], N, g)  # [Q, N, g]
@@ -34,7 +44,10 @@ def folded_logits(queries: jax.Array, keys: Quantized) -> jax.Array:
 
 
 def folded_values(probs: jax.Array, values: Quantized) -> jax.Array:
-    """probs [Q, T] float, values quantized rows [T, H] -> [Q, H] float32 probs @ dequantized values."""
+    """probs [Q, T] float, values quantized rows [T, H] (per token, as KIVI and QServe both store values) -> [Q, H]
+    float32 probs @ dequantized values."""
+    if values.along != "head_dim":
+        raise ValueError("values are quantized per token (along head_dim)")
     codes = grouped_codes(values)  # [T, N, g]
     scale, zero = values.scale.astype(jnp.float32), values.zero.astype(jnp.float32)  # [T, N]
     p = probs.astype(jnp.float32)

@@ -5,7 +5,9 @@ Each group of `group` consecutive elements x gets a zero point z (its minimum, r
 scale s ((max - z) / (2^bits - 1), rounded up), both stored in bfloat16 or float16; codes c = round((x - z) / s) in
 [0, 2^bits - 1], so x is z + c s to within s / 2 (error_bound). int8 codes take a uint8 each; int4 codes are packed
 two per uint8 (element 2i in the low nibble, 2i + 1 in the high one): `jnp.int4` arrays do not report packed bytes,
-so bytes are counted from shapes (Quantized.nbytes).
+so bytes are counted from shapes (Quantized.nbytes). KIVI's per-channel key quantization is the option
+`along="tokens"`: each channel's groups run along `group` consecutive tokens (rows [..., T, D], T a multiple of the
+group), scales [..., T / group, D]; codes stay [..., T, D] (int4 packed along D).
 
 Einsum legend: D last axis (head dim), N groups per row (D / group), g elements per group.
 """
@@ -20,17 +22,20 @@ import numpy as np
 
 BITS = (8, 4)
 SCALE_DTYPES = ("bfloat16", "float16")
+ALONG = ("head_dim", "tokens")
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
-    """bits: 8 or 4; group: elements per scale along the last axis (it must divide it); scale_dtype: of the scales
-    and zero points."""
+    """bits: 8 or 4; group: elements per scale (it must divide the grouped axis); scale_dtype: of the scales and
+    zero points; along: head_dim (groups along the last axis, per token: QServe) or tokens (per channel, groups along
+    the second to last axis: KIVI's keys)."""
 
     bits: int = 4
     group: int = 64
     scale_dtype: str = "bfloat16"
+    along: str = "head_dim"
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -39,6 +44,8 @@ class QuantFormat:
             raise ValueError(f"group must be an even number >= 2, got {self.group}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype must be one of {SCALE_DTYPES}, got {self.scale_dtype!r}")
+        if self.along not in ALONG:
+            raise ValueError(f"along must be one of {ALONG}, got {self.along!r}")
 
     @property
     def levels(self) -> int:
@@ -55,13 +62,14 @@ class QuantFormat:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Quantized:
-    """codes [..., D] uint8 (int8 format) or [..., D / 2] uint8 (int4, packed); scale, zero [..., N] in the scale
-    dtype; bits static."""
+    """codes [..., D] uint8 (int8 format) or [..., D / 2] uint8 (int4, packed); scale, zero [..., N] (along
+    head_dim, N = D / group) or [..., T / group, D] (along tokens) in the scale dtype; bits and along static."""
 
     codes: jax.Array
     scale: jax.Array
     zero: jax.Array
     bits: int = dataclasses.field(metadata=dict(static=True))
+    along: str = dataclasses.field(default="head_dim", metadata=dict(static=True))
 
     @property
     def width(self) -> int:
@@ -88,34 +96,50 @@ def unpack_int4(packed: jax.Array) -> jax.Array:
 
 
 def quantize(x: jax.Array, fmt: QuantFormat = QuantFormat()) -> Quantized:
-    """x [..., D] (any float dtype) -> Quantized in fmt, groups along the last axis."""
+    """x [..., D] (any float dtype; [..., T, D] along tokens) -> Quantized in fmt."""
+    x = x.astype(jnp.float32)
+    if fmt.along == "tokens":
+        if x.ndim < 2:
+            raise ValueError("quantizing along tokens needs rows [..., T, D]")
+        codes, scale, zero = _along_last(jnp.swapaxes(x, -1, -2), fmt)  # [..., D, T], [..., D, T / g]
+        codes, scale, zero = (jnp.swapaxes(a, -1, -2) for a in (codes, scale, zero))
+    else:
+        codes, scale, zero = _along_last(x, fmt)
+    return Quantized(codes=pack_int4(codes) if fmt.bits == 4 else codes, scale=scale, zero=zero, bits=fmt.bits,
+                     along=fmt.along)
+
+
+def _along_last(x: jax.Array, fmt: QuantFormat):
+    """(codes [..., D] uint8, scale [..., N], zero [..., N]) of float32 x [..., D], groups along the last axis."""
     D = x.shape[-1]
     g = fmt.group_for(D)
     dtype = jnp.dtype(fmt.scale_dtype)
-    groups = x.astype(jnp.float32).reshape(x.shape[:-1] + (D // g, g))  # [..., N, g]
+    groups = x.reshape(x.shape[:-1] + (D // g, g))  # [..., N, g]
     low, high = groups.min(axis=-1), groups.max(axis=-1)  # [..., N]
     zero = _rounded(low, dtype, up=False)  # stored zero <= every element
     scale = _rounded((high - zero.astype(jnp.float32)) / fmt.levels, dtype, up=True)  # z + levels s >= max
     s, z = scale.astype(jnp.float32)[..., None], zero.astype(jnp.float32)[..., None]
     codes = jnp.where(s > 0, jnp.round((groups - z) / jnp.where(s > 0, s, 1.0)), 0.0)
-    codes = jnp.clip(codes, 0, fmt.levels).astype(jnp.uint8).reshape(x.shape)  # [..., D]
-    return Quantized(codes=pack_int4(codes) if fmt.bits == 4 else codes, scale=scale, zero=zero, bits=fmt.bits)
+    return jnp.clip(codes, 0, fmt.levels).astype(jnp.uint8).reshape(x.shape), scale, zero
+
+
+def per_element(q: Quantized, a: jax.Array) -> jax.Array:
+    """A per-group array a (q.scale's shape) repeated over its group's elements: the codes' unpacked shape."""
+    if q.along == "tokens":
+        return jnp.repeat(a, q.codes.shape[-2] // a.shape[-2], axis=-2)
+    return jnp.repeat(a, q.width // a.shape[-1], axis=-1)
 
 
 def dequantize(q: Quantized, dtype=jnp.float32) -> jax.Array:
     """[..., D] in dtype: zero + code x scale per element."""
-    codes = unpack_int4(q.codes) if q.bits == 4 else q.codes
-    N = q.scale.shape[-1]
-    groups = codes.astype(jnp.float32).reshape(codes.shape[:-1] + (N, -1))  # [..., N, g]
-    x = q.zero.astype(jnp.float32)[..., None] + groups * q.scale.astype(jnp.float32)[..., None]
-    return x.reshape(codes.shape).astype(dtype)
+    codes = (unpack_int4(q.codes) if q.bits == 4 else q.codes).astype(jnp.float32)
+    x = per_element(q, q.zero.astype(jnp.float32)) + codes * per_element(q, q.scale.astype(jnp.float32))
+    return x.astype(dtype)
 
 
 def error_bound(q: Quantized) -> jax.Array:
-    """[..., D] the most |x - dequantize(q)| can be per element: half its group's scale (float32 arithmetic
-    aside)."""
-    half = q.scale.astype(jnp.float32) / 2  # [..., N]
-    return jnp.repeat(half, q.width // q.scale.shape[-1], axis=-1)
+    """The most |x - dequantize(q)| can be per element: half its group's scale (float32 arithmetic aside)."""
+    return per_element(q, q.scale.astype(jnp.float32) / 2)
 
 
 def _rounded(x: jax.Array, dtype, up: bool) -> jax.Array:
