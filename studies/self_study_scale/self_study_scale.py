@@ -103,11 +103,14 @@ def curve(out: Path, oracle: Path | None = None) -> None:
     ratios = sorted({r["ratio"] for r in records if r["ratio"] < 1}, reverse=True)
     at = {(r["task"], r["method"], r["ratio"]): r for r in rows}
     flat = [m for m in ("kvzip",) + tuple(ORACLE.values()) if any(k[1] == m for k in at)]
+    captured = json.loads((out / "self_study_rows.json").read_text()).values()
+    label = {n: (f"{n} (all: {min(captured)}-{max(captured)})" if n > min(captured) else str(n)) for n in counts}
     lines = ["# Score and KL against the self-study queries per KV head\n",
              "Normalised score: % of the full cache's (95% bootstrap interval over contexts, pooled row); KL: mean "
-             "next-token KL(full || compressed), teacher-forced.\n"]
+             "next-token KL(full || compressed), teacher-forced. A count above what a context's turns gave takes "
+             "all of them (self_study_rows.json).\n"]
     for ratio in ratios:
-        lines += [f"\n## ratio {ratio}\n", "| task | method | " + " | ".join(f"{n}" for n in counts) + " |",
+        lines += [f"\n## ratio {ratio}\n", "| task | method | " + " | ".join(label[n] for n in counts) + " |",
                   "|---|---|" + "---:|" * len(counts)]
         tasks = sorted({k[0] for k in at if k[0] != "all tasks"}) + ["all tasks"]
         for task in tasks:
@@ -133,7 +136,7 @@ def curve(out: Path, oracle: Path | None = None) -> None:
                 g = at.get(("all tasks", m, ratio))
                 if g is not None and g[value] is not None:
                     ax.axhline(g[value], linestyle=style, color="gray" if m == "kvzip" else "black", label=m)
-            ax.set_xticks(xs, [str(n) for n in counts])
+            ax.set_xticks(xs, [label[n].replace(" (", "\n(") for n in counts], fontsize=7)
             ax.set_xlabel("self-study queries per KV head and layer")
             ax.set_ylabel("score / full cache's (%)" if value == "normalised" else "KL(full || compressed)")
             ax.set_title(f"ratio {ratio}, all tasks")
