@@ -21,6 +21,11 @@ from .test_compact import compact_jit_and_eager
 from .test_eval_sweep import tiny_model
 
 
+_queries = jax.jit(matching.reference_queries, static_argnames=("sources", "cap", "with_scores"))  # compiled once
+_compact_with = jax.jit(matching.compact_with)
+_forward = jax.jit(forward, static_argnames=("cfg", "logits"))
+
+
 @pytest.fixture(scope="module")
 def setup():
     model = tiny_model(bundled_tokenizer(registry.SMOLLM2))
@@ -98,13 +103,13 @@ def test_the_probes_pass_captures_each_probe_on_its_own_row(setup):
     probes = self_study.probes(model.params, cfg, model.tokenizer, cache, max_new_tokens=6)
     P, B, W = probes.tokens.shape
     G = cfg.group_size
-    got = matching.reference_queries(model.params, cfg, kv.grown(cache, W), None, ("self-study",), cap=G * P * W,
-                                     probes=probes)
+    got = _queries(model.params, cfg, kv.grown(cache, W), None, ("self-study",), cap=G * P * W, probes=probes)
     assert bool(got.self_study.all()) and got.self_study.shape == (G * P * W,)
     rows = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
     for p in range(P):
-        _, _, aux = forward(model.params, probes.tokens[p], scoring.after_cache(cache, W), kv.grown(cache, W), cfg,
-                            matching.queries.QueryObserver(rows), num_new=probes.num_valid[p], logits=None)
+        _, _, aux = _forward(model.params, probes.tokens[p], scoring.after_cache(cache, W), kv.grown(cache, W),
+                             cfg=cfg, observer=matching.queries.QueryObserver(rows), num_new=probes.num_valid[p],
+                             logits=None)
         for layer, (captured, _) in zip(got.q, aux["observed"]):  # captured [B, K, G, W, H]
             mine = layer.reshape(B, cfg.num_kv_heads, G, P, W, -1)[:, :, :, p]
             n = np.asarray(probes.num_valid[p])
@@ -120,8 +125,8 @@ def test_thinned_keeps_evenly_spaced_self_study_rows_and_the_others(setup):
     spread over them; the repeat rows are untouched; n = 0 leaves the repeat rows alone."""
     model, cache, reread = setup
     probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
-    queries = matching.reference_queries(model.params, model.cfg, kv.grown(cache, probes.tokens.shape[2]), reread,
-                                         ("repeat", "self-study"), cap=4096, probes=probes)
+    queries = _queries(model.params, model.cfg, kv.grown(cache, probes.tokens.shape[2]), reread,
+                       ("repeat", "self-study"), cap=4096, probes=probes)
     marked = np.asarray(queries.self_study)
     valid = np.asarray(queries.valid)
     studied = valid & marked[None, :]
@@ -145,13 +150,12 @@ def test_no_self_study_rows_fit_as_the_reread_alone(setup):
     model, cache, reread = setup
     probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
     roomy = kv.grown(cache, probes.tokens.shape[2])
-    both = matching.reference_queries(model.params, model.cfg, roomy, reread, ("repeat", "self-study"), cap=8192,
-                                      probes=probes)
-    alone = matching.reference_queries(model.params, model.cfg, roomy, reread, ("repeat",), cap=4096)
+    both = _queries(model.params, model.cfg, roomy, reread, ("repeat", "self-study"), cap=8192, probes=probes)
+    alone = _queries(model.params, model.cfg, roomy, reread, ("repeat",), cap=4096)
     config = matching.MatchingConfig(ratio=0.3, sources=("repeat", "self-study"))
-    none, _ = matching.compact_with(both, model.cfg, roomy, reread, dataclasses.replace(config, self_study_queries=0))
-    some, _ = matching.compact_with(both, model.cfg, roomy, reread, dataclasses.replace(config, self_study_queries=64))
-    base, _ = matching.compact_with(alone, model.cfg, roomy, reread, matching.MatchingConfig(ratio=0.3))
+    none, _ = _compact_with(both, model.cfg, roomy, reread, dataclasses.replace(config, self_study_queries=0))
+    some, _ = _compact_with(both, model.cfg, roomy, reread, dataclasses.replace(config, self_study_queries=64))
+    base, _ = _compact_with(alone, model.cfg, roomy, reread, matching.MatchingConfig(ratio=0.3))
     for a, b in zip(jax.tree.leaves(none), jax.tree.leaves(base)):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), atol=1e-5, rtol=1e-5)
     assert not np.allclose(np.asarray(some.layers[0].v), np.asarray(none.layers[0].v))
