@@ -60,6 +60,7 @@ MODES = ("reuse", "first", "oracle")
 FULL = "full"
 METHODS = baselines.METHODS + tuple(matching.METHODS)
 CAPACITY_MULTIPLE = 64
+QUERY_CAP = matching.MatchingConfig().query_cap  # Attention Matching's default reference rows per KV head and layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +75,7 @@ class SweepConfig:
     self_study: bool = False  # Attention Matching: self-study turns as reference queries beside the reread
     self_study_samples: int = 1  # turns per self-study prompt and context (matching.self_study.probes)
     self_study_tokens: int = 64  # most tokens of a self-study answer
-    query_cap: int = matching.MatchingConfig().query_cap  # most reference rows per KV head and layer, all sources
+    query_cap: int = QUERY_CAP  # most reference rows per KV head and layer, all sources
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(METHODS))
@@ -103,7 +104,7 @@ class SweepConfig:
                     chunk_size=self.chunk_size, seed=self.seed,
                     **({"self_study": dict(samples=self.self_study_samples, max_new_tokens=self.self_study_tokens)}
                        if self.self_study else {}),
-                    **({"query_cap": self.query_cap} if self.query_cap != matching.MatchingConfig().query_cap else {}))
+                    **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}))
 
 
 def example_hash(ex: Example) -> str:
