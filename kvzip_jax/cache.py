@@ -7,7 +7,9 @@ position the next token gets; it equals the filled length until a compression ev
 
 Compressed forms: a masked cache is the same arrays plus `keep: [B, K, C]` (mask_context); a ragged cache
 (pack) stores each layer as one flat `[B, S, H]` store of per-KV-head segments with `offsets: [B, K]`
-(RaggedLayerCache), so its bytes follow the pairs each head keeps.
+(RaggedLayerCache), so its bytes follow the pairs each head keeps. Any of these forms can hold its pairs quantized
+(quantized: int8 or packed int4 codes with group scales, quant/) beside a full-precision window of the most recent
+tokens (QuantizedLayerCache).
 
 A full cache: every head has a fixed room (the capacity of a dense layer, its segment of a ragged one). `write`
 stores what fits and drops the rest, so `lengths` never exceed a head's room and no head writes into another's
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax.config import ModelConfig
+from kvzip_jax.quant import groups as quant
 
 
 @jax.tree_util.register_dataclass
@@ -67,10 +70,35 @@ class RaggedLayerCache:
         return ends - self.offsets
 
 
+WINDOW = 128  # full-precision recent tokens of a quantized layer (KIVI's residual length)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedLayerCache:
+    """A layer whose stored pairs are quantized, and a full-precision window where new tokens are written.
+
+    store: a dense, masked, compacted or ragged layer whose k and v are quant.Quantized rows (per token and KV head,
+    groups along the head dim); its lengths, keep mask, offsets and float32 bias are those of the unquantized form.
+    window: a dense LayerCache [B, K, R, H] in the model's dtype. Head k's window row j is its slot
+    store.lengths + j: the window's tokens come after every stored pair. A write that would overfill the window moves
+    all of [window | new tokens] but the last ((n - 1) mod R) + 1 of those n into the store, quantized (n - that is a
+    multiple of R); the rest stay in the window.
+    """
+
+    store: LayerCache | RaggedLayerCache
+    window: LayerCache
+
+    @property
+    def lengths(self) -> jax.Array:
+        """[B, K] filled slots per KV head: the store's and the window's."""
+        return self.store.lengths + self.window.lengths
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    layers: tuple[LayerCache | RaggedLayerCache, ...]
+    layers: tuple[LayerCache | RaggedLayerCache | QuantizedLayerCache, ...]
     next_position: jax.Array  # [B] int32
 
     @property
@@ -92,7 +120,10 @@ class KVCache:
 
 
 def _room(layer) -> jax.Array:
-    """[B, K] free slots of every head."""
+    """[B, K] free slots of every head (a quantized layer: tokens it takes before a flush would not fit the store)."""
+    if isinstance(layer, QuantizedLayerCache):
+        R = layer.window.capacity
+        return (_room(layer.store) // R + 1) * R - layer.window.lengths
     if isinstance(layer, RaggedLayerCache):
         return layer.head_capacity() - layer.lengths
     return layer.capacity - layer.lengths
@@ -117,11 +148,21 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
     with less spare room than the padded width loses pairs. Rows past a head's room are dropped too, and the
     lengths count only what was stored (at most the head's room; see the module docstring on full caches).
     """
+    if isinstance(layer, QuantizedLayerCache):
+        return _write_quantized(layer, k_new, v_new, num_new)
     if isinstance(layer, RaggedLayerCache):
         return _write_ragged(layer, k_new, v_new, num_new)
-    T = k_new.shape[2]
+    count = jnp.broadcast_to(num_new[:, None], layer.lengths.shape)
+    return written(layer, _write_dense(layer.k, k_new, layer.lengths, count),
+                   _write_dense(layer.v, v_new, layer.lengths, count), num_new)
 
-    def write_head(cache_kh, new_kh, start, count):  # [C, H], [T, H], [], []
+
+def _write_dense(store: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+    """store [B, K, C, ...] with the first count [B, K] rows of new [B, K, T, ...] at slots start [B, K] (rows past
+    C dropped)."""
+    T = new.shape[2]
+
+    def write_head(cache_kh, new_kh, start, count):  # [C, ...], [T, ...], [], []
         C = cache_kh.shape[0]
         new_kh = new_kh.astype(cache_kh.dtype)
         rows = jnp.arange(T)
@@ -135,9 +176,7 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
         real = ((rows >= shift) & (rows - shift < count))[:, None]
         return jax.lax.dynamic_update_slice_in_dim(cache_kh, jnp.where(real, moved, old), base, axis=0)
 
-    write_all = jax.vmap(jax.vmap(write_head, in_axes=(0, 0, 0, None)))
-    return written(layer, write_all(layer.k, k_new, layer.lengths, num_new),
-                   write_all(layer.v, v_new, layer.lengths, num_new), num_new)
+    return jax.vmap(jax.vmap(write_head))(store, new, start, count)
 
 
 def written(layer: LayerCache, k: jax.Array, v: jax.Array, num_new: jax.Array) -> LayerCache:
@@ -149,15 +188,64 @@ def written(layer: LayerCache, k: jax.Array, v: jax.Array, num_new: jax.Array) -
 
 
 def _write_ragged(layer: RaggedLayerCache, k_new, v_new, num_new) -> RaggedLayerCache:
-    B, K, T, H = k_new.shape
-    rows = jnp.arange(T, dtype=jnp.int32)
-    room = layer.head_capacity() - layer.lengths  # [B, K]
-    stored = jnp.minimum(num_new[:, None].astype(jnp.int32), room)  # [B, K] new pairs each head can take
-    slots = layer.offsets[..., None] + layer.lengths[..., None] + rows  # [B, K, T] store slot of each new pair
-    slots = jnp.where(rows < stored[..., None], slots, layer.k.shape[1])  # padding and overflow aim past the end
-    batch = jnp.arange(B)[:, None, None]
-    put = lambda store, new: store.at[batch, slots].set(new.astype(store.dtype), mode="drop")
+    count = jnp.broadcast_to(num_new[:, None].astype(jnp.int32), layer.lengths.shape)
+    stored = jnp.minimum(count, layer.head_capacity() - layer.lengths)  # [B, K] new pairs each head can take
+    put = lambda store, new: _put_ragged(store, new, layer.offsets + layer.lengths, stored)
     return dataclasses.replace(layer, k=put(layer.k, k_new), v=put(layer.v, v_new), lengths=layer.lengths + stored)
+
+
+def _put_ragged(store: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+    """store [B, S, ...] with the first count [B, K] rows of head k's new [B, K, T, ...] at store slots start [B, K]
+    onward (the caller keeps them within the head's segment)."""
+    B, T = new.shape[0], new.shape[2]
+    rows = jnp.arange(T, dtype=jnp.int32)
+    slots = jnp.where(rows < count[..., None], start[..., None] + rows, store.shape[1])  # [B, K, T]; rest dropped
+    return store.at[jnp.arange(B)[:, None, None], slots].set(new.astype(store.dtype), mode="drop")
+
+
+def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), window: int = WINDOW) -> KVCache:
+    """The cache with every layer's stored pairs quantized in fmt (per token, groups along the head dim) and an empty
+    full-precision window of `window` tokens per KV head for what is appended next; keep masks, offsets and biases
+    (float32) are kept as they are. Any form (dense, masked, compacted, ragged); jittable."""
+    if fmt.along != "head_dim":
+        raise ValueError("a cache quantizes its pairs per token (along='head_dim'); per-channel (KIVI) keys need "
+                         "token groups that flushes of the window would split")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+
+    def layer_of(layer):
+        if isinstance(layer, QuantizedLayerCache):
+            raise TypeError("the cache is quantized already")
+        copied = jax.tree.map(jnp.copy, dataclasses.replace(layer, k=None, v=None))  # new arrays: donation-safe
+        store = dataclasses.replace(copied, k=quant.quantize(layer.k, fmt), v=quant.quantize(layer.v, fmt))
+        B, K, H = layer.lengths.shape + (layer.k.shape[-1],)
+        empty = lambda: jnp.zeros((B, K, window, H), layer.k.dtype)  # two arrays: each may be donated
+        return QuantizedLayerCache(store=store, window=LayerCache(k=empty(), v=empty(),
+                                                                  lengths=jnp.zeros_like(layer.lengths)))
+
+    return KVCache(layers=tuple(layer_of(layer) for layer in cache.layers), next_position=jnp.copy(cache.next_position))
+
+
+def _write_quantized(layer: QuantizedLayerCache, k_new, v_new, num_new) -> QuantizedLayerCache:
+    """[window | new] -> the store (all but the last ((n - 1) mod R) + 1, quantized) and the window (the rest)."""
+    window, store = layer.window, layer.store
+    R, T = window.capacity, k_new.shape[2]
+    grow = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, T), (0, 0)])
+    both = write(LayerCache(k=grow(window.k), v=grow(window.v), lengths=window.lengths), k_new, v_new, num_new)
+    total = both.lengths  # [B, K] rows of [window | new]
+    flushed = jnp.where(total > R, (total - 1) // R * R, 0)  # [B, K] a multiple of R
+    stored = jnp.minimum(flushed, _room(store))  # rows past the store's room are dropped (callers check room())
+    fmt = store.k.format
+    if isinstance(store, RaggedLayerCache):
+        put = lambda old, new: jax.tree.map(
+            lambda o, n: _put_ragged(o, n, store.offsets + store.lengths, stored), old, new)
+    else:
+        put = lambda old, new: jax.tree.map(lambda o, n: _write_dense(o, n, store.lengths, stored), old, new)
+    store = dataclasses.replace(store, k=put(store.k, quant.quantize(both.k, fmt)),
+                                v=put(store.v, quant.quantize(both.v, fmt)), lengths=store.lengths + stored)
+    rest = jnp.minimum(flushed[..., None] + jnp.arange(R), R + T - 1)  # [B, K, R] rows left in the window
+    keep = lambda x: jnp.take_along_axis(x, rest[..., None], axis=2)
+    return QuantizedLayerCache(store=store, window=LayerCache(k=keep(both.k), v=keep(both.v), lengths=total - flushed))
 
 
 def nbytes(cache: KVCache) -> int:
@@ -166,34 +254,70 @@ def nbytes(cache: KVCache) -> int:
 
 
 def used_bytes(cache: KVCache) -> int:
-    """Bytes of the K/V pairs held and visible (filled and, in a masked cache, kept): pairs x (2 x head dim values,
-    plus a float32 bias where the cache carries one)."""
-    per_slot = [2 * layer.k.shape[-1] * layer.k.dtype.itemsize + (0 if layer.bias is None else 4)
-                for layer in cache.layers]
-    return int(sum(int(n) * size for n, size in zip(np.asarray(kept_per_head(cache)).sum(axis=(1, 2)), per_slot)))
+    """Bytes of the K/V pairs held and visible (filled and, in a masked cache, kept): pairs x (a key and a value:
+    head dim values, or a quantized layer's codes, scales and zero points; plus a float32 bias where the cache
+    carries one); a quantized layer's window tokens at full precision."""
+    total = 0
+    for layer, kept in zip(cache.layers, np.asarray(kept_per_head(cache)).sum(axis=(1, 2))):
+        if isinstance(layer, QuantizedLayerCache):
+            window = int(np.asarray(layer.window.lengths).sum())
+            total += window * _pair_bytes(layer.window) + (int(kept) - window) * _pair_bytes(layer.store)
+        else:
+            total += int(kept) * _pair_bytes(layer)
+    return total
+
+
+def _pair_bytes(layer) -> int:
+    """Bytes one slot of a (dense or ragged) layer holds: its key, its value and its bias."""
+    row = lambda x: x.nbytes // int(np.prod(x.shape[:-1])) if isinstance(x, quant.Quantized) else \
+        x.shape[-1] * x.dtype.itemsize
+    return row(layer.k) + row(layer.v) + (0 if layer.bias is None else 4)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CacheMark:
-    """The filled lengths of a cache at one moment, to drop everything appended after it."""
+    """The filled lengths of a cache at one moment, to drop everything appended after it; for a quantized layer
+    also its window as it was (a flush since then moved those tokens into the store, quantized)."""
 
     lengths: tuple[jax.Array, ...]  # per layer [B, K]
     next_position: jax.Array  # [B]
+    windows: tuple[QuantizedLayerCache | None, ...] | None = None  # per layer: the store's lengths and the window
 
 
 def mark(cache: KVCache) -> CacheMark:
-    return CacheMark(tuple(jnp.array(layer.lengths) for layer in cache.layers), jnp.array(cache.next_position))
+    windows = tuple(QuantizedLayerCache(store=LayerCache(k=None, v=None, lengths=jnp.array(layer.store.lengths)),
+                                        window=jax.tree.map(jnp.array, layer.window))
+                    if isinstance(layer, QuantizedLayerCache) else None for layer in cache.layers)
+    return CacheMark(tuple(jnp.array(layer.lengths) for layer in cache.layers), jnp.array(cache.next_position),
+                     windows if any(w is not None for w in windows) else None)
 
 
 def rewind(cache: KVCache, to: CacheMark) -> KVCache:
-    """The cache as it was at `to`: pairs appended since then are dropped (their slots get overwritten later).
+    """The cache as it was at `to` (or `to` moved on by tokens written since, answering.py): pairs appended after it
+    are dropped (their slots get overwritten later).
 
-    Valid while the cache has only grown since the mark (left-aligned slots before it are untouched).
-    """
-    layers = tuple(dataclasses.replace(layer, lengths=jnp.array(lengths))  # copies: the mark outlives donation
-                   for layer, lengths in zip(cache.layers, to.lengths))
+    Valid while the cache has only grown since the mark (left-aligned slots before it are untouched). A quantized
+    layer gets its window back exactly when the mark lies in it; a point past the mark's window that a flush has
+    since moved into the store stays there, quantized (as if the cache had been filled to it)."""
+    windows = to.windows or (None,) * len(cache.layers)
+    layers = tuple(_rewound(layer, jnp.array(lengths), then)  # copies: the mark outlives donation
+                   for layer, lengths, then in zip(cache.layers, to.lengths, windows))
     return KVCache(layers=layers, next_position=jnp.array(to.next_position))
+
+
+def _rewound(layer, lengths: jax.Array, then: QuantizedLayerCache | None):
+    if not isinstance(layer, QuantizedLayerCache):
+        return dataclasses.replace(layer, lengths=lengths)
+    if then is None:
+        raise ValueError("a mark taken before the cache was quantized cannot rewind it")
+    stored_then, stored_now = then.store.lengths, layer.store.lengths  # [B, K]
+    in_old_window = (stored_now > stored_then) & (lengths <= then.lengths)  # flushed since; back in the old window
+    stored = jnp.where(in_old_window, stored_then, jnp.clip(lengths, stored_then, stored_now))
+    pick = lambda old, new: jnp.where(in_old_window[..., None, None], old, new)
+    window = LayerCache(k=pick(then.window.k, layer.window.k), v=pick(then.window.v, layer.window.v),
+                        lengths=lengths - stored)
+    return QuantizedLayerCache(store=dataclasses.replace(layer.store, lengths=stored), window=window)
 
 
 def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context_len: jax.Array) -> KVCache:
@@ -201,6 +325,7 @@ def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context
     (n >= context_len); every other slot (the prefix, anything appended later) stays visible. Nothing is moved;
     memory is unchanged."""
     L, B, K, n = keep.shape
+    _dense_only(cache, "mask_context")
     layers = []
     for layer, layer_keep in zip(cache.layers, keep):
         slots = jnp.arange(layer.capacity, dtype=jnp.int32)  # [C]
@@ -234,6 +359,7 @@ def pack(cache: KVCache, room: int, multiple: int = 64) -> KVCache:
     """
     if room < 0:
         raise ValueError(f"room must be >= 0, got {room}")
+    _dense_only(cache, "pack")
     kept = np.asarray(kept_per_head(cache))  # [L, B, K]
     layers = []
     for layer, kept_l in zip(cache.layers, kept):
@@ -259,6 +385,11 @@ def _pack_layer(layer, offsets: jax.Array, size: int, block: int) -> RaggedLayer
         layer.bias, mode="drop")  # [B, S]
     return RaggedLayerCache(k=store(layer.k), v=store(layer.v), lengths=visible.sum(-1, dtype=jnp.int32),
                             offsets=offsets, bias=bias, block=block)
+
+
+def _dense_only(cache: KVCache, what: str) -> None:
+    if any(isinstance(layer, QuantizedLayerCache) for layer in cache.layers):
+        raise TypeError(f"{what} takes an unquantized cache: quantize after compressing (cache.quantized)")
 
 
 def defragment(cache: KVCache) -> KVCache:
@@ -308,8 +439,13 @@ def tiled_rows(cache: KVCache, copies: int) -> KVCache:
 
 def kept_per_head(cache: KVCache) -> jax.Array:
     """[L, B, K] visible filled slots of every head (what pack needs room for)."""
-    return jnp.stack([visible_slots(layer).sum(-1) if isinstance(layer, LayerCache) else layer.lengths
-                      for layer in cache.layers]).astype(jnp.int32)
+    return jnp.stack([_kept(layer) for layer in cache.layers]).astype(jnp.int32)
+
+
+def _kept(layer) -> jax.Array:
+    if isinstance(layer, QuantizedLayerCache):
+        return _kept(layer.store) + layer.window.lengths
+    return visible_slots(layer).sum(-1) if isinstance(layer, LayerCache) else layer.lengths
 
 
 def visible_slots(layer: LayerCache) -> jax.Array:

@@ -45,7 +45,8 @@ def pad_rows(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
 def _advanced(to: kv.CacheMark, count: np.ndarray) -> kv.CacheMark:
     """The mark `count` [B] tokens after `to` (valid once those tokens are written)."""
     count = jnp.asarray(count, jnp.int32)
-    return kv.CacheMark(tuple(lengths + count[:, None] for lengths in to.lengths), to.next_position + count)
+    return dataclasses.replace(to, lengths=tuple(lengths + count[:, None] for lengths in to.lengths),
+                               next_position=to.next_position + count)
 
 
 def answer(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], max_new_tokens: int,

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax.models import layers
+from kvzip_jax.quant import groups as quant
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so an all-masked row never gives inf - inf
 KEY_BLOCK = 256  # keys per block of map_key_blocks
@@ -248,42 +249,72 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
                       key_keep=None, block: int | None = None, subset=None, key_bias=None):
     """dense_attention's output without materialising scores over the cache.
 
-    q [B, T, K, G, H]; k, v [B, K, C, H] the cache; filled [B, K] its slots in use; k_new, v_new [B, K, T, H] this
-    step's keys, or None when the cache already holds them (written first); query_slots [B, K, T]; key_keep
-    [B, K, C] (masked caches) or None. Loops over cache blocks of `block` slots (None: key_block of the query
-    rows) up to the most filled head only (a dynamic trip count: a short context in a large cache costs what its
-    length costs), then over the new keys (if given) in causal tiles. Returns (out [B, T, K, G, H], lse,
-    subset_lse [B, K, G, T]):
+    q [B, T, K, G, H]; k, v [B, K, C, H] the cache (arrays, or quant.Quantized rows: dequantized one block at a
+    time); filled [B, K] its slots in use; k_new, v_new [B, K, T, H] this step's keys, or None when the cache already
+    holds them (written first); query_slots [B, K, T]; key_keep [B, K, C] (masked caches) or None. Loops over cache
+    blocks of `block` slots (None: key_block of the query rows) up to the most filled head only (a dynamic trip
+    count: a short context in a large cache costs what its length costs), then over the new keys (if given) in
+    causal tiles. Returns (out [B, T, K, G, H], lse, subset_lse [B, K, G, T]):
     the log of each query row's softmax normaliser, over all visible keys and over the visible keys of a subset
     (observers reuse them; a subset is free: it reuses the same logits). subset: a function of cache slots
     [B, K, S] -> bool [B, K, S] (the new keys always belong to it); None: all keys. key_bias [B, K, C]: a logit
     added per cache slot (a compacted cache's beta), or None.
     """
-    B, T, K, G, H = q.shape
-    C = k.shape[2]
-    block = block or key_block(B * K * G * T)
-    block_c = math.gcd(C, block)
     qm = _rows(q, scale)
+    state = _visit_cache(_empty_state(qm), qm, k, v, filled, query_slots, window, block, key_keep, subset, key_bias)
+    if k_new is not None:
+        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
+    return _finish(state, q)
+
+
+def _visit_cache(state, qm, k, v, filled, query_slots, window: int | None, block: int | None, key_keep=None,
+                 subset=None, key_bias=None, first_slot=None):
+    """blocked_attention's online-softmax steps over the visible slots of a dense cache k, v [B, K, C, H] (arrays or
+    Quantized), whose slot j is first_slot [B, K] + j (None: j)."""
+    B, K, M, H = qm.shape
+    C = k.shape[2]
+    block_c = math.gcd(C, block or key_block(B * K * M))
+    base = jnp.zeros((B, K), jnp.int32) if first_slot is None else first_slot
     first = 0
-    if window is not None:
+    if window is not None and first_slot is None:
         first = jnp.maximum(jnp.min(query_slots) - window + 1, 0) // block_c
 
-    def visit_cache(j, state):
-        kb = jax.lax.dynamic_slice_in_dim(k, j * block_c, block_c, axis=2)  # [B, K, S, H]
-        vb = jax.lax.dynamic_slice_in_dim(v, j * block_c, block_c, axis=2)
-        slots = jnp.broadcast_to(j * block_c + jnp.arange(block_c, dtype=jnp.int32), (B, K, block_c))
-        visible = slots < filled[..., None]
+    def visit(j, state):
+        kb = _dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), k))
+        vb = _dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), v))
+        local = jnp.broadcast_to(j * block_c + jnp.arange(block_c, dtype=jnp.int32), (B, K, block_c))
+        visible = local < filled[..., None]
         if key_keep is not None:
             visible &= jax.lax.dynamic_slice_in_dim(key_keep, j * block_c, block_c, axis=2)
+        slots = base[..., None] + local
         in_subset = None if subset is None else subset(slots)
         bias = None if key_bias is None else jax.lax.dynamic_slice_in_dim(key_bias, j * block_c, block_c, axis=2)
         return _visit(state, qm, kb, vb, attention_mask(query_slots, slots, visible, window), in_subset, bias)
 
     last = -(-jnp.max(filled) // block_c)
-    state = jax.lax.fori_loop(first, last, visit_cache, _empty_state(qm))
-    if k_new is not None:
-        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
-    return _finish(state, q)
+    return jax.lax.fori_loop(first, last, visit, state)
+
+
+def _dequantized(x):
+    """x as float32 rows if it is quant.Quantized; else x."""
+    return quant.dequantize(x) if isinstance(x, quant.Quantized) else x
+
+
+def _resumed(q, out, lse, subset_lse, scale: float):
+    """The online-softmax state (and the query rows) behind a finished (out, lse, subset_lse): running max lse,
+    normaliser 1, weighted values out, subset normaliser exp(subset_lse - lse)."""
+    B, T, K, G, H = q.shape
+    m = lse.reshape(B, K, G * T)  # [B, K, M]: rows ordered (g, t), as _rows orders them
+    acc = out.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    return _rows(q, scale), (m, jnp.ones_like(m), acc, jnp.exp(subset_lse.reshape(B, K, G * T) - m))
+
+
+def then_window(q, out, lse, subset_lse, k, v, first_slot, filled, query_slots, window: int | None, scale: float):
+    """blocked_attention over [a cache | a window of keys after it] from its result over the cache alone (out, lse,
+    subset_lse as blocked_attention returns them): the window's k, v [B, K, R, H] hold filled [B, K] keys at slots
+    first_slot [B, K] + j (a quantized layer's full-precision window, written first)."""
+    qm, state = _resumed(q, out, lse, subset_lse, scale)
+    return _finish(_visit_cache(state, qm, k, v, filled, query_slots, window, None, first_slot=first_slot), q)
 
 
 def then_new_keys(q, out, lse, subset_lse, k_new, v_new, filled, query_slots, window: int | None, scale: float):
@@ -291,12 +322,11 @@ def then_new_keys(q, out, lse, subset_lse, k_new, v_new, filled, query_slots, wi
     subset_lse [B, K, G, T], as blocked_attention returns them with k_new None): the online-softmax state is rebuilt
     (running max lse, normaliser 1, weighted values out, subset normaliser exp(subset_lse - lse)) and the T new keys
     visited. Used where the cache's part was computed elsewhere (seq shards merged, seq_attention.py)."""
-    B, T, K, G, H = q.shape
-    qm = _rows(q, scale)
-    m = lse.reshape(B, K, G * T)  # [B, K, M]: rows ordered (g, t), as _rows orders them
-    acc = out.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    state = (m, jnp.ones_like(m), acc, jnp.exp(subset_lse.reshape(B, K, G * T) - m))
+    qm, state = _resumed(q, out, lse, subset_lse, scale)
     return _finish(_visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window), q)
+
+
+RAGGED_CHUNK_SLOTS = 4096  # store slots a quantized ragged layer dequantizes at a time
 
 
 def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window: int | None, scale: float,
@@ -307,14 +337,35 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
 
     Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
     most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
-    online-softmax states, then the new keys are visited. Returns blocked_attention's triple (no subset).
+    online-softmax states, then the new keys are visited. Quantized k, v (quant.Quantized rows) go in chunks of
+    blocks, each dequantized when it is visited, so no float copy of the whole store exists. Returns
+    blocked_attention's triple (no subset).
     """
     B, T, K, G, H = q.shape
-    S = k.shape[1]
-    M = G * T
-    num_blocks = S // block
+    num_blocks = k.shape[1] // block
     qm = _rows(q, scale)  # [B, K, M, H]
-    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block  # [N]
+    quantized = isinstance(k, quant.Quantized)
+    per_chunk = math.gcd(num_blocks, max(RAGGED_CHUNK_SLOTS // block, 1)) if quantized else num_blocks
+    chunk = lambda c: _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block, key_bias, c * per_chunk,
+                                    per_chunk)
+    if per_chunk == num_blocks:
+        state = chunk(0)
+    else:
+        state = jax.lax.fori_loop(1, num_blocks // per_chunk, lambda c, st: _merged(st, chunk(c)), chunk(0))
+    if k_new is not None:
+        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
+    return _finish(state, q)
+
+
+def _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block: int, key_bias, first: int, count: int):
+    """The per-head online-softmax state [B, K, M] (max, normaliser, subset normaliser) and [B, K, M, H] (weighted
+    values) of qm [B, K, M, H] over the ragged store's blocks [first, first + count)."""
+    B, K, M, H = qm.shape
+    T = query_slots.shape[2]
+    G = M // T
+    take = lambda x: _dequantized(jax.tree.map(
+        lambda a: jax.lax.dynamic_slice_in_dim(a, first * block, count * block, axis=1), x))
+    starts = (first + jnp.arange(count, dtype=jnp.int32)) * block  # [N]
     owner = jnp.clip(jax.vmap(lambda o: jnp.searchsorted(o, starts, side="right"))(offsets) - 1, 0, K - 1)  # [B, N]
     one_hot = jax.nn.one_hot(owner, K, dtype=jnp.float32)  # [B, N, K]
     q_of_block = jnp.take_along_axis(qm, owner[:, :, None, None], axis=1)  # [B, N, M, H]
@@ -322,13 +373,13 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     local = starts[None, :, None] + jnp.arange(block) - jnp.take_along_axis(offsets, owner, 1)[..., None]  # [B,N,b]
     visible = local < jnp.take_along_axis(filled, owner, 1)[..., None]  # [B, N, block]
     visible = attention_mask(qs_of_block, local, visible, window)  # [B, N, T, block]
-    kb = k.reshape(B, num_blocks, block, H)
-    vb = v.reshape(B, num_blocks, block, H)
+    kb = take(k).reshape(B, count, block, H)
+    vb = take(v).reshape(B, count, block, H)
     s = jnp.einsum("BNMH,BNSH->BNMS", q_of_block, kb, preferred_element_type=jnp.float32)
     if key_bias is not None:  # a -inf bias makes a key as masked as MASK_VALUE does (a block's max stays finite)
-        s = jnp.maximum(s + key_bias.reshape(B, num_blocks, 1, block), MASK_VALUE)
-    s = jnp.where(visible[:, :, None], s.reshape(B, num_blocks, G, T, block), MASK_VALUE).reshape(B, num_blocks, M,
-                                                                                                   block)
+        bias = jax.lax.dynamic_slice_in_dim(key_bias, first * block, count * block, axis=1)
+        s = jnp.maximum(s + bias.reshape(B, count, 1, block), MASK_VALUE)
+    s = jnp.where(visible[:, :, None], s.reshape(B, count, G, T, block), MASK_VALUE).reshape(B, count, M, block)
     m_block = s.max(axis=-1)  # [B, N, M]
     p = jnp.exp(s - m_block[..., None])
     l_block = p.sum(axis=-1)  # [B, N, M]
@@ -337,7 +388,11 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     weight = jnp.exp(m_block - jnp.take_along_axis(m_head, owner[:, :, None], axis=1))  # [B, N, M]
     l_head = jnp.einsum("BNK,BNM->BKM", one_hot, l_block * weight)
     acc_head = jnp.einsum("BNK,BNMH->BKMH", one_hot, acc_block * weight[..., None])
-    state = (m_head, l_head, acc_head, l_head)
-    if k_new is not None:
-        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
-    return _finish(state, q)
+    return m_head, l_head, acc_head, l_head
+
+
+def _merged(a, b):
+    """One online-softmax state from two over disjoint key sets."""
+    m = jnp.maximum(a[0], b[0])
+    wa, wb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
+    return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None], a[3] * wa + b[3] * wb

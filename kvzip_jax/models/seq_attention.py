@@ -48,7 +48,7 @@ def seq_split(layer_cache: kv.LayerCache | kv.RaggedLayerCache) -> SeqSplit | No
     """How a dense layer's k [B, K, C, H] is laid out by the partition rules on the current mesh, when its slots are
     split over seq (seq > 1 divides C); else None (and always for ragged layers, split by row only)."""
     mesh = current_mesh()
-    if mesh is None or isinstance(layer_cache, kv.RaggedLayerCache):
+    if mesh is None or not isinstance(layer_cache, kv.LayerCache):
         return None
     spec = spec_for(mesh, (DATA, TENSOR, SEQ, None), layer_cache.k.shape)
     return SeqSplit(mesh, spec) if spec[2] == SEQ else None

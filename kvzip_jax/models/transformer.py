@@ -90,6 +90,8 @@ class Block(nn.Module):
         split = seq_split(layer_cache)
         if split is not None:  # slots over the mesh's seq axis: per shard, merged through the log-sum-exp
             return merged_attention(q, layer_cache, query_slots, window, scale, split)[0]
+        if isinstance(layer_cache, kv.QuantizedLayerCache):
+            return _quantized_attention(q, layer_cache, query_slots, window, scale)
         if _decode_kernel_applies(self.cfg, q, window):
             return _decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
         if isinstance(layer_cache, kv.RaggedLayerCache):
@@ -105,8 +107,8 @@ class Block(nn.Module):
         """Attention over [cache before this step | new tokens], shown to the observer; -> (out, observer output)."""
         cfg = self.cfg
         filled = layer_cache.lengths
-        if isinstance(layer_cache, kv.RaggedLayerCache):
-            raise ValueError("observers read dense caches; a ragged cache cannot be observed")
+        if not isinstance(layer_cache, kv.LayerCache):
+            raise ValueError("observers read dense caches; a ragged or quantized cache cannot be observed")
         subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
         split = seq_split(layer_cache)
         if split is None:
@@ -130,6 +132,20 @@ class Block(nn.Module):
             key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
             lse=lse, subset_lse=subset_lse, o_proj=o_proj, scale=cfg.query_scale))
         return out, observed
+
+
+def _quantized_attention(q, layer: kv.QuantizedLayerCache, query_slots, window, scale: float):
+    """Attention over a quantized layer holding this step's keys: its store (dequantized block by block), then its
+    full-precision window -> out [B, T, K, G, H]."""
+    store = layer.store
+    if isinstance(store, kv.RaggedLayerCache):
+        cached = attention.ragged_attention(q, store.k, store.v, store.offsets, store.lengths, None, None, query_slots,
+                                            window, scale, store.block, store.bias)
+    else:
+        cached = attention.blocked_attention(q, store.k, store.v, store.lengths, None, None, query_slots, window, scale,
+                                             store.keep, key_bias=store.bias)
+    return attention.then_window(q, *cached, layer.window.k, layer.window.v, store.lengths, layer.window.lengths,
+                                 query_slots, window, scale)[0]
 
 
 def _write(layer_cache: kv.LayerCache, k_new, v_new, num_new) -> kv.LayerCache:

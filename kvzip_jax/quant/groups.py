@@ -77,6 +77,23 @@ class Quantized:
         return self.codes.shape[-1] * (2 if self.bits == 4 else 1)
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the rows it stands for: codes' with the last axis unpacked."""
+        return self.codes.shape[:-1] + (self.width,)
+
+    @property
+    def ndim(self) -> int:
+        return self.codes.ndim
+
+    @property
+    def format(self) -> QuantFormat:
+        """The QuantFormat these rows were quantized in."""
+        groups = self.scale.shape[-2] if self.along == "tokens" else self.scale.shape[-1]
+        width = self.codes.shape[-2] if self.along == "tokens" else self.width
+        return QuantFormat(bits=self.bits, group=width // groups, scale_dtype=np.dtype(self.scale.dtype).name,
+                           along=self.along)
+
+    @property
     def nbytes(self) -> int:
         """Bytes from shapes: codes (one byte per uint8, two int4 codes in one), scales and zero points."""
         return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in (self.codes, self.scale, self.zero)))

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
+from kvzip_jax.quant import groups as quant
 from kvzip_jax.sharding.mesh import DATA, SEQ, TENSOR, check_mesh, constrain, spec_for
 from kvzip_jax.sharding.select import SCORES
 
@@ -68,9 +69,14 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 def _map_cache(cache: kv.KVCache, fn) -> kv.KVCache:
     """cache with every array x replaced by fn(x, its mesh axes per dimension); None leaves stay None."""
-    on = lambda x, axes: None if x is None else fn(x, axes)
+    def on(x, axes):
+        if isinstance(x, quant.Quantized):  # codes, scales and zero points laid out as the rows they stand for
+            return jax.tree.map(lambda a: fn(a, axes), x)
+        return None if x is None else fn(x, axes)
 
     def layer(lc):
+        if isinstance(lc, kv.QuantizedLayerCache):
+            return kv.QuantizedLayerCache(store=layer(lc.store), window=layer(lc.window))
         if isinstance(lc, kv.RaggedLayerCache):  # per-head segments of data-dependent size: only rows are split
             row = lambda x: on(x, (DATA,) + (None,) * (x.ndim - 1 if x is not None else 0))
             return kv.RaggedLayerCache(k=row(lc.k), v=row(lc.v), lengths=row(lc.lengths), offsets=row(lc.offsets),

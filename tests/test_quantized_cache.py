@@ -1,0 +1,240 @@
+"""Quantized caches (cache.quantized): every form attends as its dequantized twin, the full-precision window flushes
+by its rule, marks rewind exactly, bytes follow the format, and no float copy of a quantized store is made."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.kvzip.eviction import keep_mask
+from kvzip_jax.models import attention
+from kvzip_jax.models.params import init_params
+from kvzip_jax.models.transformer import _quantized_attention
+from kvzip_jax.quant import groups as quant
+from tests.test_compressed_cache import CFG, CONTEXT, PARAMS, QUESTION, SCORES, _context_cache, _masked
+
+FORMATS = [quant.QuantFormat(bits=8, group=8), quant.QuantFormat(bits=4, group=4, scale_dtype="float16")]
+copied = lambda tree: jax.tree.map(jnp.array, tree)
+
+
+def _form(name: str) -> kv.KVCache:
+    keep = keep_mask(SCORES, jnp.array([CONTEXT]), 0.3)
+    if name == "dense":
+        return _context_cache()
+    if name == "masked":
+        return _masked(keep)
+    if name == "compacted":  # a masked cache with a per-slot bias, as Attention Matching leaves it
+        masked = _masked(keep)
+        bias = lambda layer: jnp.where(  # on filled slots only: new tokens get none
+            kv.visible_slots(dataclasses.replace(layer, keep=None)),
+            jnp.asarray(np.random.default_rng(3).normal(0, 1, layer.keep.shape), jnp.float32), 0.0)
+        return dataclasses.replace(masked, layers=tuple(dataclasses.replace(layer, bias=bias(layer))
+                                                        for layer in masked.layers))
+    compacted = _form("compacted") if name == "ragged-compacted" else _masked(keep)
+    return kv.pack(compacted, 16)
+
+
+def _dequantized_twin(cache: kv.KVCache) -> kv.KVCache:
+    """The unquantized cache holding what a quantized one (with an empty window) stands for."""
+    return kv.KVCache(tuple(dataclasses.replace(layer.store, k=quant.dequantize(layer.store.k),
+                                                v=quant.dequantize(layer.store.v)) for layer in cache.layers),
+                      cache.next_position)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=["int8", "int4"])
+@pytest.mark.parametrize("form", ["dense", "masked", "compacted", "ragged", "ragged-compacted"])
+def test_every_form_attends_as_its_dequantized_twin(form, fmt):
+    """A question and 6 greedy tokens fit the window: logits within 1e-5 of the twin's and the same tokens."""
+    cache = kv.quantized(_form(form), fmt, window=16)
+    twin = copied(_dequantized_twin(cache))
+    logits_q, cache = gen.prefill(PARAMS, CFG, [QUESTION], cache)
+    logits_t, twin = gen.prefill(PARAMS, CFG, [QUESTION], twin)
+    np.testing.assert_allclose(np.asarray(logits_q), np.asarray(logits_t), atol=1e-5, rtol=0)
+    tokens_q, cache = gen.decode(PARAMS, CFG, logits_q, cache, 6)
+    tokens_t, _ = gen.decode(PARAMS, CFG, logits_t, twin, 6)
+    assert tokens_q == tokens_t
+    assert int(cache.layers[0].window.lengths[0, 0]) == len(QUESTION) + 6  # nothing flushed
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_attention_over_store_and_window_equals_dense_attention(ragged):
+    """The store (dequantized block by block, in chunks for a ragged one) then the window, as one online softmax,
+    equals dense attention over [dequantized store | window] with the causal bound on the new tokens."""
+    rng = np.random.default_rng(0)
+    B, K, G, H, T, R = 2, 2, 3, 16, 3, 8
+    stored = np.array([[5, 0], [16, 9]])  # [B, K] (an empty head included)
+    in_window = np.array([[4, 4], [7, 7]])  # the T new tokens are the window's last T
+    q = jnp.asarray(rng.normal(size=(B, T, K, G, H)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, K, 16, H)), jnp.float32) for _ in range(2))
+    bias = jnp.asarray(rng.normal(size=(B, K, 16)), jnp.float32)
+    wk, wv = (jnp.asarray(rng.normal(size=(B, K, R, H)), jnp.float32) for _ in range(2))
+    fmt = quant.QuantFormat(bits=4, group=8)
+    store = kv.LayerCache(k=quant.quantize(k, fmt), v=quant.quantize(v, fmt), lengths=jnp.asarray(stored, jnp.int32),
+                          bias=bias)
+    if ragged:
+        offsets = jnp.asarray([[0, 16], [0, 16]], jnp.int32)
+        flat = lambda x: jax.tree.map(lambda a: a.reshape((B, K * 16) + a.shape[3:]), x)
+        store = kv.RaggedLayerCache(k=flat(store.k), v=flat(store.v), lengths=store.lengths, offsets=offsets,
+                                    bias=bias.reshape(B, K * 16), block=8)
+    layer = kv.QuantizedLayerCache(store, kv.LayerCache(k=wk, v=wv, lengths=jnp.asarray(in_window, jnp.int32)))
+    query_slots = jnp.asarray(stored + in_window - T)[..., None] + jnp.arange(T)  # [B, K, T]
+    out = _quantized_attention(q, layer, query_slots, None, 0.25)
+
+    keys = jnp.concatenate([quant.dequantize(quant.quantize(k, fmt)), wk], axis=2)  # [B, K, 16 + R, H]
+    values = jnp.concatenate([quant.dequantize(quant.quantize(v, fmt)), wv], axis=2)
+    slot = jnp.arange(16 + R)
+    key_slots = jnp.where(slot < 16, slot, jnp.asarray(stored)[..., None] + slot - 16)  # [B, K, 16 + R]
+    visible = jnp.where(slot < 16, slot < jnp.asarray(stored)[..., None], slot - 16 < jnp.asarray(in_window)[..., None])
+    mask = attention.attention_mask(query_slots, key_slots, visible, None)
+    full_bias = jnp.concatenate([bias, jnp.zeros((B, K, R))], axis=2)
+    expected, _, _ = attention.dense_attention(q, keys, values, mask, 0.25, full_bias)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("form", ["dense", "ragged"])
+def test_the_window_flushes_all_but_its_last_rows_into_the_store(form):
+    """Writes of 3, 6, 1 and 9 tokens into a window of 4: after n tokens in [window | new], all but
+    ((n - 1) mod 4) + 1 move to the store, quantized within the format's bound; the window keeps the rest exactly."""
+    fmt = quant.QuantFormat(bits=4, group=4)
+    cache = kv.quantized(_form(form), fmt, window=4)
+    layer = cache.layers[0]
+    rng = np.random.default_rng(1)
+    written = []  # every appended key row, in order
+    store_start, window_len = np.asarray(layer.store.lengths), 0
+    for T in (3, 6, 1, 9):
+        k_new = jnp.asarray(rng.normal(size=(1, CFG.num_kv_heads, T, CFG.head_dim)), jnp.float32)
+        layer = jax.jit(kv.write)(layer, k_new, -k_new, jnp.array([T]))
+        written.append(np.asarray(k_new[0]))
+        total = window_len + T
+        window_len = (total - 1) % 4 + 1
+        rows = np.concatenate(written, axis=1)  # [K, n, H]
+        assert np.array_equal(np.asarray(layer.window.lengths), np.full((1, CFG.num_kv_heads), window_len))
+        np.testing.assert_array_equal(np.asarray(layer.window.k[0, :, :window_len]), rows[:, -window_len:])
+        np.testing.assert_array_equal(np.asarray(layer.window.v[0, :, :window_len]), -rows[:, -window_len:])
+        flushed = rows.shape[1] - window_len
+        assert np.array_equal(np.asarray(layer.store.lengths), store_start + flushed)
+        for h in range(CFG.num_kv_heads):
+            got, bound = _store_rows(layer.store, h, int(store_start[0, h]), flushed)
+            assert np.all(np.abs(got - rows[h, :flushed]) <= bound + 1e-6)
+
+
+def _store_rows(store, head: int, start: int, count: int):
+    """(dequantized key rows, their error bound) of one head's store slots [start, start + count)."""
+    if isinstance(store, kv.RaggedLayerCache):
+        first = int(store.offsets[0, head]) + start
+        pick = lambda a: a[0, first:first + count]
+    else:
+        pick = lambda a: a[0, head, start:start + count]
+    rows = jax.tree.map(pick, store.k)
+    return np.asarray(quant.dequantize(rows)), np.asarray(quant.error_bound(rows))
+
+
+@pytest.mark.parametrize("form", ["masked", "ragged"])
+def test_questions_with_flushes_rewind_exactly(form):
+    """With a window of 4, a question and its answer flush the window; rewinding to the mark gives the cache back
+    (the mark's window included), so a question asked after another is answered as alone, again and again."""
+    fmt = quant.QuantFormat(bits=8, group=8)
+    fresh = lambda: kv.quantized(_form(form), fmt, window=4)
+    q1, q2 = QUESTION, QUESTION[::-1].copy()
+    alone, _ = gen.ask(PARAMS, CFG, fresh(), q2, 6)
+    first, cache = gen.ask(PARAMS, CFG, fresh(), q1, 6)
+    second, cache = gen.ask(PARAMS, CFG, cache, q2, 6)
+    assert second == alone
+
+    _, cache = gen.prefill(PARAMS, CFG, [q1[:2]], cache)  # 2 tokens in the window: the mark must restore them
+    before, snapshot = kv.mark(cache), copied(cache)
+    answers = []
+    for _ in range(2):
+        answer, cache = gen.ask(PARAMS, CFG, cache, q2, 6)
+        answers.append(answer)
+        _, cache = gen.prefill(PARAMS, CFG, [q2], cache)
+        assert int(cache.layers[0].store.lengths[0, 0]) > int(snapshot.layers[0].store.lengths[0, 0])  # flushed
+        cache = kv.rewind(cache, before)
+        for got, then in zip(cache.layers, snapshot.layers):
+            np.testing.assert_array_equal(np.asarray(got.store.lengths), np.asarray(then.store.lengths))
+            np.testing.assert_array_equal(np.asarray(got.window.lengths), np.asarray(then.window.lengths))
+            n = int(then.window.lengths[0, 0])
+            assert n == 2
+            np.testing.assert_array_equal(np.asarray(got.window.k[:, :, :n]), np.asarray(then.window.k[:, :, :n]))
+    assert answers[0] == answers[1]
+
+
+def test_a_rewind_past_the_marks_window_keeps_what_was_flushed():
+    """A point after the mark that a flush moved into the store stays there (answer_forced rewinds so)."""
+    cache = kv.quantized(_form("ragged"), quant.QuantFormat(bits=8, group=8), window=4)
+    before = kv.mark(cache)
+    stored = np.asarray(cache.layers[0].store.lengths)
+    _, cache = gen.prefill(PARAMS, CFG, [np.arange(10, dtype=np.int32)], cache)  # 8 flushed, 2 in the window
+    for ahead, (in_store, in_window) in {9: (8, 1), 6: (6, 0)}.items():
+        to = dataclasses.replace(before, lengths=tuple(x + ahead for x in before.lengths),
+                                 next_position=before.next_position + ahead)
+        layer = kv.rewind(copied(cache), to).layers[0]
+        np.testing.assert_array_equal(np.asarray(layer.store.lengths), stored + in_store)
+        np.testing.assert_array_equal(np.asarray(layer.window.lengths), np.full_like(stored, in_window))
+
+
+def test_room_counts_what_the_store_takes_in_flushes():
+    """room() = tokens that can be appended before a flush would overrun the store; writing that many fits."""
+    cache = kv.quantized(_form("ragged"), quant.QuantFormat(bits=8, group=8), window=4)
+    room = int(cache.room()[0])
+    store_room = int(kv._room(cache.layers[0].store).min())
+    assert room == (store_room // 4 + 1) * 4
+    _, cache = gen.prefill(PARAMS, CFG, [np.arange(room, dtype=np.int32) % CFG.vocab_size], cache)
+    assert int(cache.room()[0]) == 0
+    assert np.array_equal(np.asarray(kv.kept_per_head(cache)), np.asarray(kv.kept_per_head(
+        kv.quantized(_form("ragged"), quant.QuantFormat(bits=8, group=8), window=4))) + room)
+
+
+def test_bytes_of_kvzip_at_0_3_with_int4_are_below_0_085_of_the_bf16_cache():
+    """Head dim 64, group 64, bf16 scales and zero points: the kept pairs cost 0.28125x their bf16 bytes."""
+    cfg = dataclasses.replace(CFG, head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=64)
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, seed=0, scale=0.1))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 200).astype(np.int32)
+    full = gen.prefill(params, cfg, [tokens], capacity=256)[1]  # all context (a prefix would be kept whole)
+    assert full.layers[0].k.dtype == jnp.bfloat16
+    scores = jnp.asarray(np.random.default_rng(1).random((cfg.num_layers, 1, cfg.num_kv_heads, 200)), jnp.float32)
+    masked = kv.mask_context(full, keep_mask(scores, jnp.array([200]), 0.3), jnp.array([0]), jnp.array([200]))
+    int4 = kv.quantized(kv.pack(masked, 0), quant.QuantFormat(bits=4, group=64))
+    ratio = kv.used_bytes(int4) / kv.used_bytes(full)
+    assert ratio <= 0.085, ratio
+    assert kv.used_bytes(kv.quantized(full, quant.QuantFormat(bits=4, group=64))) / kv.used_bytes(full) == 0.28125
+
+
+def test_a_compiled_decode_step_holds_no_float_copy_of_a_quantized_store():
+    """The ragged store is dequantized chunk by chunk: the compiled step's temporaries stay below one float32
+    copy of the store (its keys alone)."""
+    cfg = dataclasses.replace(CFG, head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=64, num_layers=1,
+                              layer_types=(), max_position=8192)
+    params = init_params(cfg, seed=0, scale=0.1)
+    full = gen.prefill(params, cfg, [np.arange(4096, dtype=np.int32) % cfg.vocab_size], capacity=16384)[1]
+    cache = kv.quantized(kv.pack(full, 64), quant.QuantFormat(bits=4, group=64))
+    store = cache.layers[0].store
+    compiled = gen.forward_step.lower(params, jnp.zeros((1, 1), jnp.int32), jnp.array([1], jnp.int32), cache,
+                                      cfg).compile()
+    float_keys = store.k.shape[1] * store.k.shape[2] * 4  # one float32 copy of the store's keys
+    assert store.k.shape[1] > 2 * attention.RAGGED_CHUNK_SLOTS
+    assert compiled.memory_analysis().temp_size_in_bytes < float_keys / 2
+
+
+def test_jit_equals_eager_and_misuse_is_named():
+    cache = _form("masked")
+    fmt = quant.QuantFormat(bits=4, group=8)
+    eager = kv.quantized(cache, fmt, window=8)
+    jitted = jax.jit(kv.quantized, static_argnums=(1, 2))(cache, fmt, 8)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="quantize after compressing"):
+        kv.pack(eager, 8)
+    with pytest.raises(TypeError, match="quantized already"):
+        kv.quantized(eager)
+    with pytest.raises(ValueError, match="per token"):
+        kv.quantized(cache, quant.QuantFormat(bits=4, group=8, along="tokens"))
+    with pytest.raises(ValueError, match="window"):
+        kv.quantized(cache, fmt, window=0)
+    with pytest.raises(ValueError, match="before the cache was quantized"):
+        kv.rewind(eager, kv.mark(cache))
