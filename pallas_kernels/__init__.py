@@ -4,6 +4,8 @@
   compressed cache), with an optional per-slot logit bias; returns (out, lse) so partial results merge.
 - `decode_attention`: the dense per-head cache [B, K, C, H] (optionally with a keep mask) run as a ragged store
   through `ragged_decode`, so its cost follows the filled lengths, not the capacity.
+- `QuantizedRows`: int8 or packed int4 keys / values with group scales and zero points, which both decode kernels
+  accept in place of float arrays and dequantize block by block inside the kernel.
 - `score_max`: KVzip's per-key score, max over reread query rows of q . k - lse, exponentiated once per key, without
   materialising the [rows x keys] matrix.
 
@@ -14,6 +16,7 @@ imports kvzip_jax.
 
 from .decode_attention import decode_attention, decode_attention_reference
 from .dispatch import IMPLS, MASK_VALUE, KernelInputError, resolve_impl
+from .quantized_rows import QuantizedRows
 from .ragged_decode import ragged_decode, ragged_decode_reference
 from .score_max import score_max, score_max_reference
 
@@ -21,6 +24,7 @@ __all__ = [
     "IMPLS",
     "MASK_VALUE",
     "KernelInputError",
+    "QuantizedRows",
     "decode_attention",
     "decode_attention_reference",
     "ragged_decode",

@@ -15,12 +15,19 @@ import jax
 import jax.numpy as jnp
 
 from . import online_softmax
+from . import quantized_rows as qrows
 from .dispatch import KernelInputError
 from .ragged_decode import ragged_decode
 
 
 def _check_inputs(q, k, v, lengths, keep, num_tokens, bias=None) -> None:
     """Raise KernelInputError on inconsistent shapes (see decode_attention)."""
+    if isinstance(k, qrows.QuantizedRows) or isinstance(v, qrows.QuantizedRows):
+        if not (isinstance(k, qrows.QuantizedRows) and isinstance(v, qrows.QuantizedRows)):
+            raise KernelInputError("k and v must both be arrays or both be QuantizedRows")
+        qrows.bits_of(k, q.shape[-1])
+        qrows.bits_of(v, q.shape[-1])
+        k = v = jax.ShapeDtypeStruct(k.codes.shape[:3] + (q.shape[-1],), jnp.float32)  # the rows they stand for
     if q.ndim != 4 or k.ndim != 4:
         raise KernelInputError(f"q must be [B, K, M, H] and k [B, K, C, H], got {q.shape} and {k.shape}")
     batch, kv_heads, rows, head_dim = q.shape
@@ -56,7 +63,8 @@ def decode_attention(
 
     Args:
       q: [B, K, M, H] query rows per KV head, any float dtype; M = G T, row r = g T + t.
-      k, v: [B, K, C, H] dense cache (bfloat16 or float32); slots >= lengths may hold anything (NaN).
+      k, v: [B, K, C, H] dense cache (bfloat16 or float32), or both QuantizedRows of [B, K, C, .] (ragged_decode's);
+        slots >= lengths may hold anything (NaN).
       lengths: [B, K] integer filled slots per head, clipped to [0, C]; the T new tokens are the last ones written.
       keep: [B, K, C] bool or None; False slots are invisible (a masked compressed cache).
       bias: [B, K, C] float32 additive logit per slot or None (Attention Matching's beta); -inf hides a slot.
@@ -66,7 +74,7 @@ def decode_attention(
       out [B, K, M, H] float32 (0 where no key is visible) and lse [B, K, M] float32 (MASK_VALUE there).
     """
     _check_inputs(q, k, v, lengths, keep, num_tokens, bias)
-    batch, kv_heads, capacity, head_dim = k.shape
+    batch, kv_heads, capacity = lengths.shape + (_rows_shape(k)[2],)
     offsets = jnp.broadcast_to(jnp.arange(kv_heads, dtype=jnp.int32) * capacity, (batch, kv_heads))  # [B, K]
     slot_bias = None if bias is None else bias.astype(jnp.float32)  # [B, K, C]
     if keep is not None:
@@ -74,10 +82,12 @@ def decode_attention(
         slot_bias = hidden if slot_bias is None else jnp.where(keep, slot_bias, -jnp.inf)
     if slot_bias is not None:
         slot_bias = slot_bias.reshape(batch, kv_heads * capacity)  # [B, K C]
+    flat = lambda x: x.reshape((batch, kv_heads * capacity) + x.shape[3:])  # [B, K C, .]
+    as_store = lambda x: qrows.QuantizedRows(*map(flat, x)) if isinstance(x, qrows.QuantizedRows) else flat(x)
     return ragged_decode(
         q,
-        k.reshape(batch, kv_heads * capacity, head_dim),
-        v.reshape(batch, kv_heads * capacity, head_dim),
+        as_store(k),
+        as_store(v),
         offsets,
         jnp.clip(lengths, 0, capacity).astype(jnp.int32),
         slot_bias,
@@ -87,6 +97,10 @@ def decode_attention(
         block_k=block_k,
         num_splits=num_splits,
     )
+
+
+def _rows_shape(x) -> tuple[int, ...]:
+    return x.codes.shape if isinstance(x, qrows.QuantizedRows) else x.shape
 
 
 def decode_attention_reference(
@@ -102,6 +116,8 @@ def decode_attention_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """The dense jnp oracle of decode_attention (same arguments and results), float32 with HIGHEST precision."""
     _check_inputs(q, k, v, lengths, keep, num_tokens, bias)
+    if isinstance(k, qrows.QuantizedRows):
+        k, v = (qrows.dequantize_rows(x, q.shape[-1]) for x in (k, v))
     rows, capacity = q.shape[2], k.shape[2]
     lengths = jnp.clip(lengths, 0, capacity)
     slot = jnp.arange(capacity)  # [C]

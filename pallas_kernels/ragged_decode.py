@@ -13,6 +13,9 @@ The kernel's cost follows the segment lengths, not S: grid (B, K, NS); program (
 length and loops over blocks of block_k keys of its split only, with an online softmax in float32. The NS partial
 results are merged in jnp afterwards.
 
+Keys and values may be group-quantized (int8, or int4 two per byte: quantized_rows.QuantizedRows): each block is
+dequantized inside the kernel, group by group, so the store is read at its quantized size.
+
 Empty softmax (zero-length segment, or every key hidden by the causal bound or the bias): out = 0 and
 lse = MASK_VALUE (finite, so merging it with another segment's (out, lse) gives that segment's result exactly).
 """
@@ -23,9 +26,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from . import online_softmax
+from . import quantized_rows as qrows
 from .dispatch import (
     MASK_VALUE,
     KernelInputError,
@@ -51,19 +56,28 @@ def default_num_splits(batch: int, kv_heads: int) -> int:
 
 def _check_inputs(q, k, v, offsets, lengths, bias, num_tokens) -> None:
     """Raise KernelInputError on inconsistent shapes (see ragged_decode)."""
-    if q.ndim != 4 or k.ndim != 3:
-        raise KernelInputError(f"q must be [B, K, M, H] and k [B, S, H], got {q.shape} and {k.shape}")
+    if isinstance(k, qrows.QuantizedRows) != isinstance(v, qrows.QuantizedRows):
+        raise KernelInputError("k and v must both be arrays or both be QuantizedRows")
+    if isinstance(k, qrows.QuantizedRows):
+        if [x.shape for x in k] != [x.shape for x in v]:
+            raise KernelInputError(f"v {[x.shape for x in v]} must have k's shapes {[x.shape for x in k]}")
+        qrows.bits_of(k, q.shape[-1])
+        k_shape = k.codes.shape[:2] + (q.shape[-1],)
+    else:
+        k_shape = k.shape
+        if v.shape != k.shape:
+            raise KernelInputError(f"v {v.shape} must have k's shape {k.shape}")
+    if q.ndim != 4 or len(k_shape) != 3:
+        raise KernelInputError(f"q must be [B, K, M, H] and k [B, S, H], got {q.shape} and {k_shape}")
     batch, kv_heads, rows, head_dim = q.shape
-    if k.shape[0] != batch or k.shape[2] != head_dim:
-        raise KernelInputError(f"k {k.shape} does not match q {q.shape} (batch and head dim)")
-    if v.shape != k.shape:
-        raise KernelInputError(f"v {v.shape} must have k's shape {k.shape}")
+    if k_shape[0] != batch or k_shape[2] != head_dim:
+        raise KernelInputError(f"k {k_shape} does not match q {q.shape} (batch and head dim)")
     if offsets.shape != (batch, kv_heads) or lengths.shape != (batch, kv_heads):
         raise KernelInputError(
             f"offsets {offsets.shape} and lengths {lengths.shape} must be [B, K] = {(batch, kv_heads)}"
         )
-    if bias is not None and bias.shape != k.shape[:2]:
-        raise KernelInputError(f"bias {bias.shape} must be [B, S] = {k.shape[:2]}")
+    if bias is not None and bias.shape != k_shape[:2]:
+        raise KernelInputError(f"bias {bias.shape} must be [B, S] = {k_shape[:2]}")
     if num_tokens < 1 or rows % num_tokens:
         raise KernelInputError(f"num_tokens {num_tokens} must be >= 1 and divide the query rows M = {rows}")
 
@@ -86,7 +100,8 @@ def ragged_decode(
 
     Args:
       q: [B, K, M, H] query rows per KV head, any float dtype; M = G T, row r = g T + t.
-      k, v: [B, S, H] the flat store (bfloat16 or float32). Slots outside every segment may hold anything (NaN).
+      k, v: [B, S, H] the flat store (bfloat16 or float32), or both QuantizedRows (codes [B, S, H] int8 or
+        [B, S, H / 2] packed int4, scale and zero [B, S, N]). Slots outside every segment may hold anything (NaN).
       offsets, lengths: [B, K] integer: head k of row b owns slots [offsets, offsets + lengths); lengths may be 0;
         offsets + lengths <= S.
       bias: [B, S] float32 additive logit bias per slot, or None; -inf hides a slot.
@@ -103,16 +118,23 @@ def ragged_decode(
     _check_inputs(q, k, v, offsets, lengths, bias, num_tokens)
     if resolve_impl(impl) == "xla":
         return ragged_decode_reference(q, k, v, offsets, lengths, bias, scale=scale, num_tokens=num_tokens)
-    check_power_of_two("head dim H", q.shape[3])
+    head_dim = q.shape[3]
+    check_power_of_two("head dim H", head_dim)
     check_power_of_two("block_k", block_k)
     if num_splits is None:
         num_splits = default_num_splits(q.shape[0], q.shape[1])
     if num_splits < 1:
         raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
-    return _ragged_decode_pallas(
+    parts, order = None, None
+    if isinstance(k, qrows.QuantizedRows):  # the kernel works in the parts' column order (quantized_rows.py)
+        groups, bits = k.scale.shape[-1], qrows.bits_of(k, head_dim)
+        parts = qrows.parts(head_dim, groups, bits)
+        order = qrows.column_order(head_dim, groups, bits)
+        q = q[..., order]
+    out, lse = _ragged_decode_pallas(
         q,
-        k,
-        v,
+        tuple(k) if parts else (k,),
+        tuple(v) if parts else (v,),
         offsets.astype(jnp.int32),
         lengths.astype(jnp.int32),
         bias,
@@ -121,18 +143,25 @@ def ragged_decode(
         block_k=block_k,
         num_splits=num_splits,
         interpret=interpret_mode(),
+        parts=parts,
     )
+    return (out, lse) if order is None else (out[..., np.argsort(order)], lse)
 
 
-def _ragged_decode_kernel(q_ref, k_ref, v_ref, off_ref, len_ref, *refs, scale, num_tokens, block_k, num_splits):
+def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, has_bias):
     """One (b, k, split) program: online softmax over the split's key blocks of head k's segment.
 
-    Refs: q [Mp, H]; k, v [S, H] (the whole store row, read block by block); off, len [] int32; optional bias [S];
-    outputs o [Mp, H] (unnormalised), l [Mp] (sum of exp), m [Mp] (running max), all float32.
+    Refs: q [Mp, H]; k, v each [S, H] (the whole store row, read block by block) or, quantized, (codes, scale,
+    zero) with `parts` their static column parts; off, len [] int32; optional bias [S]; outputs o [Mp, H]
+    (unnormalised), l [Mp] (sum of exp), m [Mp] (running max), all float32.
     """
-    bias_ref = refs[0] if len(refs) == 4 else None
+    per_store = 3 if parts else 1
+    q_ref = refs[0]
+    k_refs, v_refs = refs[1:1 + per_store], refs[1 + per_store:1 + 2 * per_store]
+    off_ref, len_ref = refs[1 + 2 * per_store:3 + 2 * per_store]
+    bias_ref = refs[3 + 2 * per_store] if has_bias else None
     o_ref, l_ref, m_ref = refs[-3:]
-    store_slots = k_ref.shape[0]
+    store_slots = k_refs[0].shape[0]
     offset = off_ref[()]
     length = len_ref[()]
     # The split's local key range [lo, hi): splits of equal whole-block size, the last one short or empty.
@@ -141,9 +170,12 @@ def _ragged_decode_kernel(q_ref, k_ref, v_ref, off_ref, len_ref, *refs, scale, n
     hi = jnp.minimum(length, lo + split_len)
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
-    compute_dtype = jnp.promote_types(q_ref.dtype, k_ref.dtype)
-    q = q_ref[...].astype(compute_dtype)  # [Mp, H]
-    rows = q.shape[0]
+    rows, head_dim = q_ref.shape
+    if parts:  # dequantized float32 parts: the queries' matching columns, loaded once
+        q_parts = [q_ref[:, pl.ds(part.column, part.width)].astype(jnp.float32) for part in parts]
+    else:
+        q_parts = [q_ref[...].astype(jnp.promote_types(q_ref.dtype, k_refs[0].dtype))]  # [Mp, H]
+        parts = (qrows.Part(0, head_dim, 0, None, 0),)
     # Query row r is token t = r % T, which sees local keys below length - (T - 1 - t).
     row_limit = length - (num_tokens - 1 - jnp.arange(rows, dtype=jnp.int32) % num_tokens)  # [Mp]
 
@@ -157,8 +189,8 @@ def _ragged_decode_kernel(q_ref, k_ref, v_ref, off_ref, len_ref, *refs, scale, n
         key_in = (key >= first) & (key < hi)  # [block_k]
         visible = key_in[None, :] & (key[None, :] < row_limit[:, None])  # [Mp, block_k]
 
-        k_blk = k_ref[pl.ds(start, block_k), :].astype(compute_dtype)  # [block_k, H]
-        logits = kernel_dot(q, k_blk, transpose_b=True) * scale  # [Mp, block_k]
+        logits = scale * sum(kernel_dot(q_part, load(k_refs, start, part, q_part.dtype), transpose_b=True)
+                             for q_part, part in zip(q_parts, parts))  # [Mp, block_k]
         if bias_ref is not None:
             logits = logits + bias_ref[pl.ds(start, block_k)][None, :]
         logits = jnp.where(visible, logits, MASK_VALUE)
@@ -166,49 +198,61 @@ def _ragged_decode_kernel(q_ref, k_ref, v_ref, off_ref, len_ref, *refs, scale, n
         correction = jnp.exp(m_prev - m_next)  # [Mp]
         p = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)  # [Mp, block_k]
         # Slots outside the segment may hold NaN, and 0 * NaN = NaN: zero them before p @ v.
-        v_blk = jnp.where(key_in[:, None], v_ref[pl.ds(start, block_k), :].astype(jnp.float32), 0.0)  # [block_k, H]
+        v_blks = [jnp.where(key_in[:, None], load(v_refs, start, part, jnp.float32), 0.0)  # [block_k, width]
+                  for part in parts]
         l_next = correction * l_prev + p.sum(axis=1)
-        acc_next = correction[:, None] * acc_prev + kernel_dot(p, v_blk)
+        acc_next = tuple(correction[:, None] * acc + kernel_dot(p, v_blk) for acc, v_blk in zip(acc_prev, v_blks))
         return m_next, l_next, acc_next
+
+    def load(store_refs, start, part, dtype):  # [block_k, width]
+        if len(store_refs) == 3:
+            return qrows.load_part(store_refs, start, block_k, part)
+        return store_refs[0][pl.ds(start, block_k), :].astype(dtype)
 
     init = (
         jnp.full((rows,), MASK_VALUE, jnp.float32),  # m [Mp]
         jnp.zeros((rows,), jnp.float32),  # l [Mp]
-        jnp.zeros((rows, q.shape[1]), jnp.float32),  # acc [Mp, H]
+        tuple(jnp.zeros((rows, part.width), jnp.float32) for part in parts),  # acc [Mp, width] per part
     )
     m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    o_ref[...] = acc
+    for part, acc_part in zip(parts, acc):
+        o_ref[:, pl.ds(part.column, part.width)] = acc_part
     l_ref[...] = l
     m_ref[...] = m
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_tokens", "block_k", "num_splits", "interpret"))
-def _ragged_decode_pallas(q, k, v, offsets, lengths, bias, *, scale, num_tokens, block_k, num_splits, interpret):
-    """The pallas_call and the merge of its splits; arguments as ragged_decode's, already checked."""
+@functools.partial(jax.jit, static_argnames=("scale", "num_tokens", "block_k", "num_splits", "interpret", "parts"))
+def _ragged_decode_pallas(q, k, v, offsets, lengths, bias, *, scale, num_tokens, block_k, num_splits, interpret,
+                          parts):
+    """The pallas_call and the merge of its splits; arguments as ragged_decode's, already checked, with k and v
+    tuples of store arrays [B, S, .] (one, or the quantized triple with its static parts)."""
     batch, kv_heads, rows, head_dim = q.shape
     padded_rows = max(16, next_power_of_two(rows))
     q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, K, Mp, H]
-    if k.shape[1] < block_k:  # a block read must fit in the store
-        k, v = (jnp.pad(x, ((0, 0), (0, block_k - x.shape[1]), (0, 0))) for x in (k, v))  # [B, block_k, H]
+    if k[0].shape[1] < block_k:  # a block read must fit in the store
+        grow = lambda x: jnp.pad(x, ((0, 0), (0, block_k - x.shape[1]), (0, 0)))  # [B, block_k, .]
+        k, v = tuple(map(grow, k)), tuple(map(grow, v))
         if bias is not None:
             bias = jnp.pad(bias, ((0, 0), (0, block_k - bias.shape[1])))  # [B, block_k]
-    slots = k.shape[1]
+    slots = k[0].shape[1]
 
     head_scalar = pl.BlockSpec((None, None), lambda b, h, s: (b, h))
+    store_spec = lambda x: pl.BlockSpec((None, slots, x.shape[2]), lambda b, h, s: (b, 0, 0))
     in_specs = [
         pl.BlockSpec((None, None, padded_rows, head_dim), lambda b, h, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, slots, head_dim), lambda b, h, s: (b, 0, 0)),
-        pl.BlockSpec((None, slots, head_dim), lambda b, h, s: (b, 0, 0)),
+        *map(store_spec, k),
+        *map(store_spec, v),
         head_scalar,
         head_scalar,
     ]
-    args = [q, k, v, offsets, lengths]
+    args = [q, *k, *v, offsets, lengths]
     if bias is not None:
         in_specs.append(pl.BlockSpec((None, slots), lambda b, h, s: (b, 0)))
         args.append(bias.astype(jnp.float32))
     split_rows = pl.BlockSpec((None, None, None, padded_rows), lambda b, h, s: (s, b, h, 0))
     kernel = functools.partial(
-        _ragged_decode_kernel, scale=scale, num_tokens=num_tokens, block_k=block_k, num_splits=num_splits
+        _ragged_decode_kernel, scale=scale, num_tokens=num_tokens, block_k=block_k, num_splits=num_splits,
+        parts=parts, has_bias=bias is not None,
     )
     o, l, m = pl.pallas_call(
         kernel,
@@ -251,9 +295,12 @@ def ragged_decode_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """The plain jnp oracle of ragged_decode (same arguments and results), float32 with HIGHEST precision.
 
-    Materialises the [B, K, M, S] logits with a per-head mask over the whole store: fine for decode (M small).
+    Materialises the [B, K, M, S] logits with a per-head mask over the whole store (quantized rows dequantized
+    whole): fine for decode (M small).
     """
     _check_inputs(q, k, v, offsets, lengths, bias, num_tokens)
+    if isinstance(k, qrows.QuantizedRows):
+        k, v = (qrows.dequantize_rows(x, q.shape[-1]) for x in (k, v))
     rows = q.shape[2]
     local = jnp.arange(k.shape[1])[None, None, :] - offsets[..., None]  # [B, K, S] local key index of each slot
     in_segment = (local >= 0) & (local < lengths[..., None])  # [B, K, S]

@@ -407,9 +407,10 @@ def test_triton_lowering_on_cpu(dtype):
     per_head = spec((2, 3), jnp.int32)  # offsets, lengths
     for head_dim, rows, num_tokens, bias in [(64, 9, 3, None), (128, 21, 3, spec((2, 777), jnp.float32))]:
         decode = functools.partial(
-            _ragged_decode_pallas, scale=0.125, num_tokens=num_tokens, block_k=64, num_splits=4, interpret=False
+            _ragged_decode_pallas, scale=0.125, num_tokens=num_tokens, block_k=64, num_splits=4, interpret=False,
+            parts=None,
         )
-        store = spec((2, 777, head_dim))
+        store = (spec((2, 777, head_dim)),)
         text = lowered(decode, spec((2, 3, rows, head_dim)), store, store, per_head, per_head, bias)
         assert "xla.gpu.triton" in text
         score = functools.partial(_score_max_pallas, exp=True, block_keys=64, block_rows=64, interpret=False)

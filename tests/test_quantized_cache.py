@@ -10,7 +10,6 @@ import pytest
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.models import attention
 from kvzip_jax.models.params import init_params

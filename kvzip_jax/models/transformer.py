@@ -20,7 +20,7 @@ from kvzip_jax.models.params import layer_name, param_shapes
 from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
 from kvzip_jax.sharding.rules import constrain_cache
-from pallas_kernels import decode_attention, ragged_decode, resolve_impl
+from pallas_kernels import QuantizedRows, decode_attention, ragged_decode, resolve_impl
 from pallas_kernels.dispatch import supports_head_dim
 
 LOGITS_CHOICES = ("last", "all", "at", None)
@@ -91,7 +91,8 @@ class Block(nn.Module):
         if split is not None:  # slots over the mesh's seq axis: per shard, merged through the log-sum-exp
             return merged_attention(q, layer_cache, query_slots, window, scale, split)[0]
         if isinstance(layer_cache, kv.QuantizedLayerCache):
-            return _quantized_attention(q, layer_cache, query_slots, window, scale)
+            return _quantized_attention(q, layer_cache, query_slots, window, scale,
+                                        self.cfg.attention_impl if _decode_kernel_applies(self.cfg, q, window) else None)
         if _decode_kernel_applies(self.cfg, q, window):
             return _decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
         if isinstance(layer_cache, kv.RaggedLayerCache):
@@ -134,11 +135,22 @@ class Block(nn.Module):
         return out, observed
 
 
-def _quantized_attention(q, layer: kv.QuantizedLayerCache, query_slots, window, scale: float):
-    """Attention over a quantized layer holding this step's keys: its store (dequantized block by block), then its
-    full-precision window -> out [B, T, K, G, H]."""
+def _quantized_attention(q, layer: kv.QuantizedLayerCache, query_slots, window, scale: float, kernel_impl=None):
+    """Attention over a quantized layer holding this step's keys: its store (dequantized block by block, by the decode
+    kernels when kernel_impl is given), then its full-precision window -> out [B, T, K, G, H]."""
     store = layer.store
-    if isinstance(store, kv.RaggedLayerCache):
+    if kernel_impl is not None:  # a decode step: the store's tokens all precede the new one (kept in the window)
+        B, T, K, G, H = q.shape
+        rows = q.reshape(B, K, G, H)  # [B, K, M = G, H]
+        k, v = (QuantizedRows(x.codes, x.scale, x.zero) for x in (store.k, store.v))
+        if isinstance(store, kv.RaggedLayerCache):
+            out, lse = ragged_decode(rows, k, v, store.offsets, store.lengths, store.bias, scale=scale,
+                                     impl=kernel_impl)
+        else:
+            out, lse = decode_attention(rows, k, v, store.lengths, store.keep, store.bias, scale=scale,
+                                        impl=kernel_impl)
+        cached = out.reshape(B, T, K, G, H), lse[..., None], lse[..., None]  # [B, 1, K, G, H], [B, K, G, 1]
+    elif isinstance(store, kv.RaggedLayerCache):
         cached = attention.ragged_attention(q, store.k, store.v, store.offsets, store.lengths, None, None, query_slots,
                                             window, scale, store.block, store.bias)
     else:
