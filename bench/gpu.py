@@ -13,7 +13,8 @@ checkpoints are on the machine), batch --model-batch at --model-contexts tokens.
     --prefill-tokens at most (stated per row);
   - KVzip scoring time / prefill time, and scoring's extra device memory (the compiled scoring program's temporary
     and output bytes) against the cache's bytes;
-  - decode ms per token for the full, masked-0.3 and ragged-0.3 caches: attention alone (every layer's attention
+  - decode ms per token for the full, masked-0.3 and ragged-0.3 caches, and the ragged one with its kept pairs in
+    int8 and int4 (groups of 64, bf16 scales; KVzip + quantization): attention alone (every layer's attention
     over its cache, one jitted call) and the whole step (forward_step, cache donated); decode caches are synthetic
     (random keys and values, kept sets drawn per head as KVzip's uneven head budgets are), so 124K decode does not
     wait on a 124K prefill;
@@ -42,8 +43,9 @@ from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
 from kvzip_jax.models import attention
 from kvzip_jax.models.flops import kvzip_scoring_flops, prefill_flops
 from kvzip_jax.models.params import param_shapes
+from kvzip_jax.quant.groups import QuantFormat, Quantized
 from kvzip_jax.weights import registry
-from pallas_kernels import decode_attention, ragged_decode
+from pallas_kernels import QuantizedRows, decode_attention, ragged_decode
 
 # Real configurations (HF config.json values).
 LLAMA_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
@@ -64,6 +66,7 @@ SMOKE = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, num_la
 SMOKE_CASES = [("smoke", SMOKE, 2, (192,))]
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, dense bf16 FLOP/s
 RATIO = 0.3
+KV_BITS = (8, 4)  # the ragged cache's kept pairs quantized (groups of 64, bf16 scales)
 REREAD_PROMPT = 16  # tokens of the reread prompt before each chunk (KVzip's is about this long)
 
 
@@ -150,11 +153,16 @@ def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
     def run(q, cache):
         total = jnp.zeros((), jnp.float32)
         for layer in cache.layers:
+            if isinstance(layer, kv.QuantizedLayerCache):  # its store (the window is empty here)
+                layer = layer.store
             if impl == "pallas":
                 rows = q.reshape(B, K, G, H)
                 if isinstance(layer, kv.RaggedLayerCache):
-                    out, _ = ragged_decode(rows, layer.k, layer.v, layer.offsets, layer.lengths,
-                                           scale=cfg.query_scale, impl="pallas")
+                    k, v = layer.k, layer.v
+                    if isinstance(k, Quantized):
+                        k, v = (QuantizedRows(x.codes, x.scale, x.zero) for x in (k, v))
+                    out, _ = ragged_decode(rows, k, v, layer.offsets, layer.lengths, scale=cfg.query_scale,
+                                           impl="pallas")
                 else:
                     out, _ = decode_attention(rows, layer.k, layer.v, layer.lengths, layer.keep,
                                               scale=cfg.query_scale, impl="pallas")
@@ -232,20 +240,21 @@ def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: 
                 cache_bytes=kv.used_bytes(cache))
 
 
-def decode_figures(params, cfg: ModelConfig, caches, steps: int, peak_bw) -> None:
-    """Prints decode attention and step times of the (full, masked, ragged) caches, with the step's bandwidth."""
+def decode_figures(params, cfg: ModelConfig, caches: dict, steps: int, peak_bw) -> None:
+    """Prints decode attention and step times of the caches {form: cache} (full, masked, ragged, and the ragged one
+    with int8 / int4 kept pairs), with the step's bandwidth."""
     impl, started, attention_s = cfg.attention_impl, time.perf_counter(), {}
-    for form, cache in zip(("full", "masked", "ragged"), caches):
+    for form, cache in caches.items():
         attention_s[form] = attention_alone(cfg, cache, impl)
         step_s = decode_step(params, cfg, cache, steps)
         bw = step_bytes(params, cache) / step_s
         share = "" if not peak_bw else f" = {bw / peak_bw:.0%} of peak"
-        print(f"[{impl}] decode {form:>6}: attention {attention_s[form] * 1e3:8.3f} ms, step {step_s * 1e3:8.3f} "
+        print(f"[{impl}] decode {form:>11}: attention {attention_s[form] * 1e3:8.3f} ms, step {step_s * 1e3:8.3f} "
               f"ms/token, {bw / 1e9:7.1f} GB/s{share}; KV {kv.used_bytes(cache) / 2**20:,.1f} MiB visible, "
               f"{kv.nbytes(cache) / 2**20:,.1f} MiB allocated", flush=True)
-    print(f"[{impl}] attention speed-up at {RATIO}: ragged {attention_s['full'] / attention_s['ragged']:.2f}x, "
-          f"masked {attention_s['full'] / attention_s['masked']:.2f}x over the full cache "
-          f"({time.perf_counter() - started:.0f} s)", flush=True)
+    print(f"[{impl}] attention speed-up at {RATIO} over the full cache: "
+          + ", ".join(f"{form} {attention_s['full'] / attention_s[form]:.2f}x" for form in caches if form != "full")
+          + f" ({time.perf_counter() - started:.0f} s)", flush=True)
 
 
 def prefill_figures(params, cfg: ModelConfig, batch: int, tokens: int, chunk: int, peak_flops) -> None:
@@ -297,10 +306,13 @@ def main(argv=None) -> int:
                 continue
             full = synthetic_cache(base, batch, tokens, dtype)
             masked, ragged = compressed(base, full, tokens)
+            caches = {"full": full, "masked": masked, "ragged": ragged}
+            for bits in KV_BITS:  # KVzip + quantization: the ragged cache's kept pairs in int8 / int4
+                caches[f"ragged-int{bits}"] = kv.quantized(ragged, QuantFormat(bits=bits, group=64))
             for impl in ("xla", "pallas"):
-                decode_figures(params, dataclasses.replace(base, attention_impl=impl), (full, masked, ragged),
-                               args.decode_steps, peak_bw)
-            del full, masked, ragged
+                decode_figures(params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps,
+                               peak_bw)
+            del full, masked, ragged, caches
             for impl in ("xla", "pallas"):
                 cfg = dataclasses.replace(base, attention_impl=impl)
                 if tokens > args.prefill_tokens:

@@ -257,17 +257,22 @@ def used_bytes(cache: KVCache) -> int:
     """Bytes of the K/V pairs held and visible (filled and, in a masked cache, kept): pairs x (a key and a value:
     head dim values, or a quantized layer's codes, scales and zero points; plus a float32 bias where the cache
     carries one); a quantized layer's window tokens at full precision."""
-    total = 0
-    for layer, kept in zip(cache.layers, np.asarray(kept_per_head(cache)).sum(axis=(1, 2))):
+    return int(row_bytes(cache).sum())
+
+
+def row_bytes(cache: KVCache) -> np.ndarray:
+    """[B] used_bytes of each batch row."""
+    total = np.zeros(cache.batch_size, np.int64)
+    for layer, kept in zip(cache.layers, np.asarray(kept_per_head(cache)).sum(axis=2)):  # kept [B]
         if isinstance(layer, QuantizedLayerCache):
-            window = int(np.asarray(layer.window.lengths).sum())
-            total += window * _pair_bytes(layer.window) + (int(kept) - window) * _pair_bytes(layer.store)
+            window = np.asarray(layer.window.lengths).sum(axis=1)  # [B]
+            total += window * pair_bytes(layer.window) + (kept - window) * pair_bytes(layer.store)
         else:
-            total += int(kept) * _pair_bytes(layer)
+            total += kept * pair_bytes(layer)
     return total
 
 
-def _pair_bytes(layer) -> int:
+def pair_bytes(layer) -> int:
     """Bytes one slot of a (dense or ragged) layer holds: its key, its value and its bias."""
     row = lambda x: x.nbytes // int(np.prod(x.shape[:-1])) if isinstance(x, quant.Quantized) else \
         x.shape[-1] * x.dtype.itemsize

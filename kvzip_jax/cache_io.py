@@ -7,10 +7,13 @@ On disk (written into a temporary sibling folder renamed into place only when co
 nothing that loads):
 
   <dir>/arrays/         orbax (StandardCheckpointer) tree of the cache: per layer k, v, lengths and, where the layer
-                        has them, keep (masked), bias (compacted), offsets (ragged); next_position
+                        has them, keep (masked), bias (compacted), offsets (ragged); a quantized layer stores
+                        k_codes, k_scale, k_zero (and v's) in place of k and v, and its window as window_k,
+                        window_v, window_lengths; next_position
   <dir>/manifest.json   written last: format and layout version, package version, the model's identity (config hash,
                         parameter fingerprint, name and where it was loaded from), the tokenizer's hash, the dtype,
-                        each layer's kind and shapes, a sha256 per array (orbax keeps no checksum), and the caller's
+                        each layer's kind and shapes (a quantized layer: its store's kind, bits, group, scale dtype
+                        and window), a sha256 per array (orbax keeps no checksum), and the caller's
                         meta (method, level, ratio, prefix and context token hashes and lengths)
 
 `load` checks, in order: a manifest exists (CacheCorruptError: not a saved cache, or a save that never finished),
@@ -30,12 +33,14 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax import dtypes
 from kvzip_jax.errors import KvzipError
+from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights.checkpoint import atomic_dir
 from kvzip_jax.weights.identity import model_identity, package_version, tokenizer_hash
 
-FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 1
+FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 2  # 2: quantized layers (a cache without them is written as 1)
 ARRAYS, MANIFEST = "arrays", "manifest.json"
-DENSE, RAGGED = "dense", "ragged"
+DENSE, RAGGED, QUANTIZED = "dense", "ragged", "quantized"
+QUANT_FIELDS = ("codes", "scale", "zero")
 
 
 class CacheFileError(KvzipError):
@@ -67,8 +72,9 @@ def save(directory: str | Path, cache: kv.KVCache, model, meta: dict | None = No
     tree = _tree(cache)
     layers = [_layer_layout(layer) for layer in cache.layers]
     arrays = {jax.tree_util.keystr(path): _sha256(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    quantized = any(isinstance(layer, kv.QuantizedLayerCache) for layer in cache.layers)
     manifest = {
-        "format": FORMAT, "layout_version": LAYOUT_VERSION, "kvzip_jax": package_version("kvzip-jax"),
+        "format": FORMAT, "layout_version": LAYOUT_VERSION if quantized else 1, "kvzip_jax": package_version("kvzip-jax"),
         "model": {"name": model.name, **model_identity(model.cfg, model.params)},
         "tokenizer": tokenizer_hash(model.tokenizer), "dtype": np.dtype(dtypes.of_params(model.params)).name,
         "batch_size": cache.batch_size, "next_position": np.asarray(cache.next_position).tolist(),
@@ -149,48 +155,73 @@ def load(directory: str | Path, model) -> tuple[kv.KVCache, dict]:
 
 def _tree(cache: kv.KVCache) -> dict:
     """The cache as a plain dict of arrays (what orbax stores)."""
-    layers = {}
-    for i, layer in enumerate(cache.layers):
-        fields = {"k": layer.k, "v": layer.v, "lengths": layer.lengths}
-        for name in ("keep", "bias", "offsets"):
-            value = getattr(layer, name, None)
-            if value is not None:
-                fields[name] = value
-        layers[str(i)] = fields
-    return {"layers": layers, "next_position": cache.next_position}
+    return {"layers": {str(i): _fields(layer) for i, layer in enumerate(cache.layers)},
+            "next_position": cache.next_position}
+
+
+def _fields(layer) -> dict:
+    if isinstance(layer, kv.QuantizedLayerCache):
+        fields = _fields(layer.store)
+        for name in ("k", "v"):
+            rows = fields.pop(name)
+            fields.update({f"{name}_{part}": getattr(rows, part) for part in QUANT_FIELDS})
+        window = layer.window
+        return {**fields, "window_k": window.k, "window_v": window.v, "window_lengths": window.lengths}
+    fields = {"k": layer.k, "v": layer.v, "lengths": layer.lengths}
+    for name in ("keep", "bias", "offsets"):
+        value = getattr(layer, name, None)
+        if value is not None:
+            fields[name] = value
+    return fields
 
 
 def _layer_layout(layer) -> dict:
-    fields = {name: [list(x.shape), np.dtype(x.dtype).name] for name in ("k", "v", "lengths", "keep", "bias", "offsets")
-              if (x := getattr(layer, name, None)) is not None}
+    fields = {name: [list(x.shape), np.dtype(x.dtype).name] for name, x in _fields(layer).items()}
+    if isinstance(layer, kv.QuantizedLayerCache):
+        fmt = layer.store.k.format
+        store = RAGGED if isinstance(layer.store, kv.RaggedLayerCache) else DENSE
+        return {"kind": QUANTIZED, "store": store, "block": getattr(layer.store, "block", None), "bits": fmt.bits,
+                "group": fmt.group, "scale_dtype": fmt.scale_dtype, "window": layer.window.capacity,
+                "fields": fields}
     if isinstance(layer, kv.RaggedLayerCache):
         return {"kind": RAGGED, "block": layer.block, "fields": fields}
     return {"kind": DENSE, "fields": fields}
 
 
+MODEL_DTYPE_FIELDS = ("k", "v", "window_k", "window_v")  # in the model's dtype; the others as recorded
+
+
 def _abstract(manifest: dict, dtype) -> dict:
-    """The restore target: ShapeDtypeStructs on this host's first device (k and v in the model's dtype)."""
+    """The restore target: ShapeDtypeStructs on this host's first device (k, v and a window in the model's dtype)."""
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     layers = {}
     for i, layout in enumerate(manifest["layers"]):
-        if layout["kind"] not in (DENSE, RAGGED):
+        if layout["kind"] not in (DENSE, RAGGED, QUANTIZED):
             raise CacheFormatError(f"unknown layer kind {layout['kind']!r}")
-        layers[str(i)] = {name: jax.ShapeDtypeStruct(tuple(shape), dtype if name in ("k", "v") else np.dtype(kind),
-                                                     sharding=sharding)
+        layers[str(i)] = {name: jax.ShapeDtypeStruct(tuple(shape), dtype if name in MODEL_DTYPE_FIELDS
+                                                     else np.dtype(kind), sharding=sharding)
                           for name, (shape, kind) in layout["fields"].items()}
     position = jax.ShapeDtypeStruct((manifest["batch_size"],), np.int32, sharding=sharding)
     return {"layers": layers, "next_position": position}
 
 
 def _cache(tree: dict, manifest: dict) -> kv.KVCache:
-    layers = []
-    for i, layout in enumerate(manifest["layers"]):
-        fields = tree["layers"][str(i)]
-        if layout["kind"] == RAGGED:
-            layers.append(kv.RaggedLayerCache(block=layout["block"], **fields))
-        else:
-            layers.append(kv.LayerCache(**fields))
-    return kv.KVCache(layers=tuple(layers), next_position=tree["next_position"])
+    return kv.KVCache(layers=tuple(_layer(dict(tree["layers"][str(i)]), layout)
+                                   for i, layout in enumerate(manifest["layers"])),
+                      next_position=tree["next_position"])
+
+
+def _layer(fields: dict, layout: dict):
+    if layout["kind"] == QUANTIZED:
+        for name in ("k", "v"):
+            fields[name] = quant.Quantized(*(fields.pop(f"{name}_{part}") for part in QUANT_FIELDS),
+                                           bits=layout["bits"])
+        window = kv.LayerCache(k=fields.pop("window_k"), v=fields.pop("window_v"),
+                               lengths=fields.pop("window_lengths"))
+        return kv.QuantizedLayerCache(store=_layer(fields, {**layout, "kind": layout["store"]}), window=window)
+    if layout["kind"] == RAGGED:
+        return kv.RaggedLayerCache(block=layout["block"], **fields)
+    return kv.LayerCache(**fields)
 
 
 def _sha256(x) -> str:

@@ -20,6 +20,7 @@ import pytest
 from kvzip_jax import cache as kv
 from kvzip_jax import cache_io, cli, kvzip, matching, prompts
 from kvzip_jax import generate as gen
+from kvzip_jax.quant.groups import QuantFormat
 from tests.test_cli import CONTEXT, QUESTION, restored, smollm2, smollm2_checkpoint  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,14 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def caches(restored):  # noqa: F811
-    """{form: cache} of the CONTEXT at ratio 0.5: KVzip masked, the same packed ragged, AM-compacted ragged."""
+    """{form: cache} of the CONTEXT at ratio 0.5: KVzip masked, the same packed ragged, AM-compacted ragged, and
+    quantized: the ragged one in int4, the compacted one (dense, with its bias) in int8."""
     context, suffixes = prompts.split_for_reuse(restored.tokenizer, CONTEXT, [QUESTION])
     _, cache = gen.prefill(restored.params, restored.cfg, [context.ids()])
     reread = kvzip.reread_inputs(restored.tokenizer, [context.context_start], [context.ids()[context.context_slice]])
     masked, _ = jax.jit(kvzip.score_and_evict)(restored.params, restored.cfg, cache, reread, 0.5)
     compacted, _ = jax.jit(matching.compact)(restored.params, restored.cfg, cache, reread,
                                              matching.MatchingConfig(ratio=0.5))
-    return {"masked": masked, "ragged": kv.pack(masked, 64), "compacted": kv.pack(compacted, 64)}, suffixes[0]
+    int4, int8 = QuantFormat(bits=4, group=32), QuantFormat(bits=8, group=64, scale_dtype="float16")
+    return {"masked": masked, "ragged": kv.pack(masked, 64), "compacted": kv.pack(compacted, 64),
+            "ragged-int4": kv.quantized(kv.pack(masked, 64), int4, window=32),
+            "compacted-int8": kv.quantized(compacted, int8)}, suffixes[0]
 
 
 def _answer(model, cache, suffix):
@@ -51,7 +56,13 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smoll
         assert jax.tree.structure(back) == jax.tree.structure(cache) and manifest["meta"] == {"form": form}
         for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(back)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        if form == "ragged":
+        layout = manifest["layers"][0]
+        if form == "ragged-int4":  # the format is in the manifest; a cache without quantized layers stays layout 1
+            assert (layout["kind"], layout["store"], layout["bits"], layout["group"], layout["window"]) == (
+                "quantized", "ragged", 4, 32, 32) and manifest["layout_version"] == 2
+        elif form == "ragged":
+            assert layout["kind"] == "ragged" and manifest["layout_version"] == 1
+        if form in ("ragged", "ragged-int4"):
             want[form] = _answer(restored, jax.tree.map(jnp.copy, cache), suffix)
     script = textwrap.dedent(f"""
         import json, sys
@@ -59,7 +70,7 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smoll
         from kvzip_jax.weights import registry
         model = registry.load({str(smollm2_checkpoint)!r})
         out = {{}}
-        for form in ("ragged",):  # the masked and compacted forms' arrays are checked in this process
+        for form in ("ragged", "ragged-int4"):  # the other forms' arrays are checked in this process
             cache, _ = cache_io.load({str(tmp_path)!r} + "/" + form, model)
             out[form] = gen.ask(model.params, model.cfg, cache, {list(map(int, suffix))!r}, 12,
                                 stop_tokens=prompts.stop_token_ids(model.tokenizer))[0]
@@ -152,6 +163,19 @@ def test_cli_compress_save_then_ask_or_chat_without_prefill(capsys, monkeypatch,
     assert cli.main(["chat", "--cache", str(saved), "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert "no prefill, no scoring" in out and f"> {answer[3:]}\n" in out and out.rstrip().endswith("bye")
+    assert cli.main(["ask", "--cache", str(saved), "--kv-bits", "8", "--question", QUESTION,  # quantized on load
+                     "--max-new-tokens", "12"]) == 0
+    assert "A: " in capsys.readouterr().out
+    saved4 = tmp_path / "doc4.kv"
+    assert cli.main(argv[:-1] + [str(saved4), "--kv-bits", "4"]) == 0  # saved quantized: asked as saved
+    capsys.readouterr()
+    assert cache_io.read_manifest(saved4)["layers"][0]["bits"] == 4
+    assert cli.main(["ask", "--cache", str(saved4), "--question", QUESTION, "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert ", int4, " in out and "A: " in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["ask", "--cache", str(saved4), "--kv-bits", "8", "--question", QUESTION])
+    assert exit_info.value.code == cli.EXIT_USER_ERROR and "saved with --kv-bits 4" in capsys.readouterr().err
     assert cli.main(["compress", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
                      "--save", str(saved)]) == cli.EXIT_USER_ERROR  # exists: refused, not overwritten
     assert "already exists" in capsys.readouterr().err

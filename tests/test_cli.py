@@ -245,3 +245,24 @@ def test_compress_draws_what_was_kept(capsys, tiny, context_file, tmp_path):
     shown = float(text.split("% of the context's pairs kept")[0].rsplit("; ", 1)[1])
     assert abs(shown - 100 * kept / total) < 0.05  # the page's share is the cache's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["context.txt", "kept.html", "pics"]  # no temporary left
+
+
+def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_file):
+    """--kv-bits 8 / 4 quantize the compressed cache: the same kept pairs, fewer bytes (int4 fewer than int8), an
+    answer either way; a group that does not split the head dim is a usage error."""
+    used = {}
+    for bits in ("16", "8", "4"):
+        argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question",
+                QUESTION, "--max-new-tokens", "4", "--chunk-size", "64", "--kv-bits", bits, "--kv-group", "4"]
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        line = next(line for line in out.splitlines() if line.startswith("KV cache bytes: compressed"))
+        assert ("int" + bits) in line if bits != "16" else "int" not in line
+        used[bits] = int(line.split()[4].replace(",", ""))
+        assert out.count("\nA: ") == 1
+    # head dim 8, float32: 64 bytes per pair; int8 with groups of 4: 2 x (8 + 2 x 2 x 2) = 32; int4: 24
+    assert used["16"] / 64 == used["8"] / 32 == used["4"] / 24
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question",
+                  QUESTION, "--kv-bits", "4", "--kv-group", "3"])
+    assert exit_info.value.code == cli.EXIT_USER_ERROR and "--kv-group: group must be" in capsys.readouterr().err

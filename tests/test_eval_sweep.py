@@ -73,10 +73,10 @@ def _expected_keys() -> set:
     keys = set()
     for ex in examples():
         for i in range(len(ex.questions)):
-            keys.add((ex.task, ex.id, "full", "full", 1.0, i))
+            keys.add((ex.task, ex.id, "full", "full", 1.0, i, 16))
             for method in METHODS:
                 for mode in CONFIG.modes_of(method):
-                    keys |= {(ex.task, ex.id, method, mode, r, i) for r in CONFIG.ratios}
+                    keys |= {(ex.task, ex.id, method, mode, r, i, 16) for r in CONFIG.ratios}
     return keys
 
 
@@ -294,7 +294,7 @@ def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
     got = _by_key(path)
-    want = {(ex.task, ex.id, m, "reuse", r, i) for ex in examples() for i in range(len(ex.questions))
+    want = {(ex.task, ex.id, m, "reuse", r, i, 16) for ex in examples() for i in range(len(ex.questions))
             for m in methods for r in config.ratios}
     assert set(got) - {k for k in got if k[2] == "full"} == want
     for method in methods:
@@ -357,3 +357,42 @@ def test_a_profile_method_needs_the_models_searched_budgets(model, tmp_path, mon
     got = [r for r in _by_key(path).values() if r["method"] == "am-hak-pb"]
     assert len(got) == sum(len(ex.questions) for ex in examples())
     assert np.isfinite([r["kl"] for r in got]).all()
+
+
+def test_kv_bits_quantize_every_cache_and_the_report_plots_score_against_bytes(model, tmp_path):
+    """--kv-bits 16,4: every cache also answers with int4 kept pairs, the full cache too (quantization alone); the
+    records carry the bytes of each context's kept pairs, int4 at exactly the format's share; ratio 1 in int4 answers
+    as the full cache in int4; a grid grown by int8 resumes with only the new answers; the report has a bytes table
+    and a Pareto plot."""
+    config = sw.SweepConfig(methods=("kvzip",), ratios=(1.0, 0.5), batch_size=3, kv_bits=(16, 4), kv_group=8)
+    path = tmp_path / "results.jsonl"
+    sw.run_sweep(model, examples(), config, path, progress=False)
+    got = _by_key(path)
+    questions = [(ex.id, i) for ex in examples() for i in range(len(ex.questions))]
+    want = {("toy", e, "full", "full", 1.0, i, b) for e, i in questions for b in (16, 4)}
+    want |= {("toy", e, "kvzip", "reuse", r, i, b) for e, i in questions for r in (1.0, 0.5) for b in (16, 4)}
+    assert set(got) == want
+    for e, i in questions:
+        at = lambda method, ratio, bits: got["toy", e, method, "full" if method == "full" else "reuse", ratio, i, bits]
+        full, full4 = at("full", 1.0, 16), at("full", 1.0, 4)
+        # head dim 8, float32: 64 bytes a pair; int4 in groups of 8 with bf16 scales and zeros: 2 x (4 + 4) = 16
+        assert full4["bytes"] * 4 == full["bytes"] and at("kvzip", 0.5, 4)["bytes"] * 4 == at("kvzip", 0.5, 16)["bytes"]
+        assert at("kvzip", 0.5, 16)["bytes"] < full["bytes"]
+        assert full4["kl"] > 0.0 and np.isfinite(full4["kl"])
+        same = at("kvzip", 1.0, 4)
+        assert (same["prediction"], same["kl"], same["bytes"]) == (full4["prediction"], full4["kl"], full4["bytes"])
+
+    grown = dataclasses.replace(config, kv_bits=(16, 8, 4))
+    sw.run_sweep(model, examples(), grown, path, progress=False)
+    added = set(_by_key(path)) - set(got)
+    assert added and all(key[-1] == 8 for key in added)
+
+    written = report.write_report(path, tmp_path / "report")
+    assert written["pareto"].stat().st_size > 0
+    rows = report.summarize(report.read_records(path))
+    shares = {(r["method"], r["ratio"]): r["bytes_share"] for r in rows}
+    assert shares["full", 1.0] == 100.0 and shares["int4", 1.0] == 25.0 and shares["int8", 1.0] == 37.5
+    assert shares["kvzip+int4", 0.5] == pytest.approx(shares["kvzip", 0.5] / 4)
+    assert "## Bytes of the kept pairs" in written["markdown"].read_text()
+    with pytest.raises(ValueError, match="kv_bits"):
+        sw.SweepConfig(kv_bits=(16, 2))

@@ -17,7 +17,9 @@ def run(args: argparse.Namespace) -> int:
     questions = common.questions(args)
     start = time.perf_counter()
     model, cache, meta = common.load_saved(args)
+    cache = common.quantized(args, cache)
     what = f"{meta.get('method', '?')} at ratio {meta.get('ratio', '?')}" if meta else "a saved cache"
+    what += f", int{meta['kv_bits']}" if meta.get("kv_bits", 16) != 16 else ""
     context = meta.get("context", {}).get("tokens", "?")
     print(f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "
           f"{time.perf_counter() - start:.1f} s, no prefill or scoring; KV cache bytes: {common.cache_bytes(cache)}")
@@ -36,5 +38,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--cache", required=True, metavar="DIR", help="a folder written by compress --save")
     options.add_model(parser, required=False, note="default: the one that made the cache")
     options.add_questions(parser)
+    options.add_kv_bits(parser, saved=True)
     options.add_runtime(parser, saved_dtype_help="default: the dtype the cache was saved in")
     parser.set_defaults(handler=run, subparser=parser)

@@ -25,7 +25,7 @@ def _compressed_document(args: argparse.Namespace):
     if args.cache is not None:
         model, cache, _ = common.load_saved(args)
         print(f"loaded the cache of {args.cache}: no prefill, no scoring")
-        return model, cache, common.asks_by_completion(model)
+        return model, common.quantized(args, cache), common.asks_by_completion(model)
     if args.ratio is None:
         args.subparser.error("--context needs --ratio")
     document = common.read_context(args.context)
@@ -38,7 +38,7 @@ def _compressed_document(args: argparse.Namespace):
     done()
     args.level, args.chunk_size, args.self_study = "pair", 512, False
     masked, how = common.evict(args, model, full, context, None)
-    cache = kv.pack(masked, args.room)
+    cache = common.quantized(args, kv.pack(masked, args.room))
     jax.block_until_ready(cache)
     print(f"{len(context)} tokens prefilled; {args.method} at ratio {args.ratio}: {how}")
     return model, cache, completion
@@ -123,5 +123,6 @@ def add_parser(subparsers) -> None:
                         "compressed cache has room for")
     options.add_max_new_tokens(parser, 256)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    options.add_kv_bits(parser, saved=True)
     options.add_runtime(parser, saved_dtype_help="default: auto, or the dtype of a saved cache")
     parser.set_defaults(handler=run, subparser=parser)

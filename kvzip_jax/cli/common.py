@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from kvzip_jax.cli import options
 from kvzip_jax.errors import EmptyInputError, KvzipError
 
 
@@ -105,6 +106,29 @@ def load_saved(args: argparse.Namespace):
     model = load_model(args)
     cache, _ = cache_io.load(args.cache, model)
     return model, cache, meta
+
+
+def quantized(args: argparse.Namespace, cache):
+    """cache with its kept pairs quantized as --kv-bits says (unchanged for 16, or when it is quantized already as
+    asked); a usage error for a saved quantized cache asked for another precision."""
+    from kvzip_jax import cache as kv
+
+    fmt = options.kv_format(args)
+    saved = next((layer.store.k.bits for layer in cache.layers if isinstance(layer, kv.QuantizedLayerCache)), None)
+    if saved is not None:
+        if args.kv_bits is not None and args.kv_bits != saved:
+            args.subparser.error(f"the cache was saved with --kv-bits {saved}; it cannot be read as --kv-bits "
+                                 f"{args.kv_bits} (compress it again)")
+        return cache
+    if fmt is None:
+        return cache
+    if args.kv_window < 1:
+        args.subparser.error("--kv-window must be >= 1")
+    try:
+        fmt.group_for(cache.layers[0].k.shape[-1])
+    except ValueError as e:
+        args.subparser.error(f"--kv-group: {e}")
+    return kv.quantized(cache, fmt, args.kv_window)
 
 
 def asks_by_completion(model) -> bool:

@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from kvzip_jax.sharding import memory
 
     _check_choices(args)
+    options.kv_format(args)  # a bad --kv-group, before the model loads
     instruction = options.instruction(args)
     check_ratio(args.ratio)
     document = common.read_context(args.context)
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save:  # questions asked later: room for any question of the interactive size
         room = max(room, INTERACTIVE_QUESTION_ROOM + args.max_new_tokens)
     room = args.room or room
-    compressed = kv.pack(masked, room)
+    compressed = common.quantized(args, kv.pack(masked, room))
     jax.block_until_ready(compressed)
     what = f"KVzip {args.level} level" if args.method == "kvzip" else f"Attention Matching {args.method}"
     print(f"{what} at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s (including compilation)")
@@ -87,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plot or args.html:
         _pictures(args, model, masked, context)
     print(f"KV cache bytes: full {common.cache_bytes(cache)}")
-    print(f"KV cache bytes: compressed {common.cache_bytes(compressed)} (ragged, room for {room} more tokens)")
+    bits = "" if args.kv_bits == 16 else f", int{args.kv_bits} in groups of {args.kv_group}"
+    print(f"KV cache bytes: compressed {common.cache_bytes(compressed)} (ragged{bits}, room for "
+          f"{int(compressed.room().min())} more tokens)")
     del cache, masked
     if args.save:
         _save(args, model, compressed, context)
@@ -138,7 +141,7 @@ def _save(args: argparse.Namespace, model, compressed, context) -> None:
 
     ids = context.ids()
     meta = {"model_source": str(args.model), "method": args.method, "level": args.level, "ratio": args.ratio,
-            "instruction": args.instruction, "max_new_tokens": args.max_new_tokens,
+            "instruction": args.instruction, "max_new_tokens": args.max_new_tokens, "kv_bits": args.kv_bits,
             "prefix": {"tokens": context.context_start, "sha256": cache_io.token_hash(ids[:context.context_start])},
             "context": {"tokens": len(ids) - context.context_start, "sha256": cache_io.token_hash(
                 ids[context.context_start:]), "file": str(Path(args.context).absolute())}}
@@ -187,5 +190,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--room", type=int, help="tokens of room after the compressed context (questions, answers, "
                         "a chat over a saved cache; default: the longest question + --max-new-tokens, at least "
                         f"{INTERACTIVE_QUESTION_ROOM} + --max-new-tokens when questions come later)")
+    options.add_kv_bits(parser)
     options.add_runtime(parser)
     parser.set_defaults(handler=run, subparser=parser)

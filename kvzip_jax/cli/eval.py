@@ -33,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
         ratios = tuple(float(r) for r in _csv(args.ratios))
     except ValueError:
         args.subparser.error(f"--ratios must be comma-separated numbers, got {args.ratios!r}")
+    try:
+        kv_bits = tuple(int(b) for b in _csv(args.kv_bits))
+    except ValueError:
+        args.subparser.error(f"--kv-bits must be comma-separated bit widths (16, 8, 4), got {args.kv_bits!r}")
     if args.contexts < 1 or args.context_tokens < 1:
         args.subparser.error("--contexts and --context-tokens must be >= 1")
     instruction = options.instruction(args)
@@ -41,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
                              batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed,
                              instruction=instruction, self_study=args.self_study,
                              self_study_samples=args.self_study_samples, self_study_tokens=args.self_study_tokens,
+                             kv_bits=kv_bits, kv_group=args.kv_group, kv_window=args.kv_window,
                              **({} if args.query_cap is None else {"query_cap": args.query_cap}))
     except ValueError as e:
         args.subparser.error(str(e))
@@ -150,6 +155,12 @@ def add_parser(subparsers) -> None:
                         "tokens of a sampled answer (default 64)")
     parser.add_argument("--query-cap", type=int, metavar="N", help="Attention Matching: most reference queries "
                         "per KV head and layer, split evenly over the sources (default MatchingConfig's, 8192)")
+    parser.add_argument("--kv-bits", default="16", help="comma-separated bits of the kept keys and values: every cache "
+                        "answers at each (16: the model's dtype; 8, 4: quantized per token in groups; the full cache "
+                        "quantized is quantization alone); the report plots score against bytes")
+    parser.add_argument("--kv-group", type=int, default=64, help="--kv-bits 8 / 4: elements per scale and zero point")
+    parser.add_argument("--kv-window", type=int, default=options.KV_WINDOW, help="--kv-bits 8 / 4: recent tokens "
+                        "kept at full precision")
     parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
     parser.add_argument("--instruction", default="kvzip", help="text that opens every user message before the "
                         'context, in the never-evicted prefix: "kvzip" (default) for '

@@ -1,5 +1,5 @@
 """Options several commands take, each defined once: the model, the questions, the compression method, the reread
-chunk, the task instruction, and the runtime (--dtype, --attention-impl)."""
+chunk, the task instruction, KV quantization (--kv-bits), and the runtime (--dtype, --attention-impl)."""
 
 from __future__ import annotations
 
@@ -48,6 +48,35 @@ def instruction(args) -> str | None:
     if not args.instruction.strip():
         args.subparser.error('--instruction is empty; give a text, "kvzip" or "none"')
     return named_instruction(args.instruction)
+
+
+KV_BITS = (16, 8, 4)
+KV_WINDOW = 128  # cache.WINDOW, named here so that --help imports no jax
+
+
+def add_kv_bits(parser, saved: bool = False) -> None:
+    """--kv-bits, --kv-group, --kv-window: quantize the compressed cache's kept pairs. saved: for commands that
+    answer from a saved cache (ask, chat --cache), where the default is the cache as saved."""
+    note = "default: as the cache was saved; 8 or 4 quantize an unquantized one now" if saved else "default 16"
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None if saved else 16,
+                        help=f"bits of the kept keys and values: 16 keeps the model's dtype, 8 and 4 quantize them "
+                             f"per token in groups ({note})")
+    parser.add_argument("--kv-group", type=int, default=64, help="--kv-bits 8 / 4: elements per scale and zero "
+                        "point (the head dim when it is smaller)")
+    parser.add_argument("--kv-window", type=int, default=KV_WINDOW, help="--kv-bits 8 / 4: recent tokens (the "
+                        "questions and answers) kept at full precision before they are quantized")
+
+
+def kv_format(args):
+    """The quant.QuantFormat --kv-bits and --kv-group name, or None for --kv-bits 16 (or absent)."""
+    if args.kv_bits in (None, 16):
+        return None
+    from kvzip_jax.quant.groups import QuantFormat
+
+    try:
+        return QuantFormat(bits=args.kv_bits, group=args.kv_group)
+    except ValueError as e:
+        args.subparser.error(f"--kv-group: {e}")
 
 
 def add_runtime(parser, saved_dtype_help: str | None = None) -> None:

@@ -3,7 +3,10 @@
 A record (one JSON object per line, one per answered question) holds: model, task, example (id), question (index
 within the example), method ("full" for the uncompressed cache, else "kvzip", "snapkv", ...), mode ("full" for the
 full cache, else "reuse" / "first" / "oracle"), ratio (1.0 for full), prediction, references, metric, score (0..1),
-agree (prediction equals the full cache's), kl, flip (kvzip_jax.eval.metrics.next_token_divergence), seconds.
+agree (prediction equals the full cache's), kl, flip (kvzip_jax.eval.metrics.next_token_divergence), seconds;
+and, from sweeps that quantize, kv_bits (16 when absent: the model's dtype) and bytes (the answering cache's kept pairs
+for that context). A quantized cache is reported as its own method: "kvzip+int4", and "int8" / "int4" for the full
+cache quantized (quantization alone); normalised scores stay relative to the unquantized full cache.
 
 Every normalised score and agreement comes with a 95% interval, since a sweep's n is small:
   agreement   Wilson score interval over the n answers;
@@ -33,7 +36,7 @@ from kvzip_jax.eval import results
 MODES = ("full", "reuse", "first", "oracle")
 SUMMARIZED = ("model", "task", "example", "question", "method", "mode", "ratio", "score", "agree", "kl", "flip")
 COLUMNS = ("task", "method", "mode", "ratio", "n", "score", "normalised", "normalised_lo", "normalised_hi", "agree",
-           "agree_lo", "agree_hi", "kl", "flip")
+           "agree_lo", "agree_hi", "kl", "flip", "bytes", "bytes_share")
 Z95 = 1.959964  # two-sided 95% normal quantile
 RESAMPLES = 2000
 # value -> (axis / heading label, cell format); "score" is shown in %.
@@ -43,6 +46,7 @@ VALUES = {
     "agree": ("answers equal to the full cache's (%)", "{:.1f}"),
     "kl": ("next-token KL(full || compressed)", "{:.4f}"),
     "flip": ("next-token argmax flip rate", "{:.3f}"),
+    "bytes_share": ("bytes of the kept pairs (% of the full cache's)", "{:.1f}"),
 }
 
 
@@ -76,6 +80,16 @@ def _check(records: Sequence[dict]) -> None:
     models = sorted({r["model"] for r in records})
     if len(models) > 1:
         raise ValueError(f"records of several models {models}; summarize one model at a time")
+
+
+def labelled(record: dict) -> dict:
+    """The record as the report shows it: a quantized cache as its own method (module docstring)."""
+    bits = record.get("kv_bits", 16)
+    if bits == 16:
+        return record
+    if record["method"] == "full":
+        return {**record, "method": f"int{bits}", "mode": "reuse"}
+    return {**record, "method": f"{record['method']}+int{bits}"}
 
 
 def _mean(xs: Iterable[float]) -> float:
@@ -121,8 +135,9 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     (they are taken in results.record_key order), so the shares of a sweep merged give a one-process sweep's.
     """
     _check(records)
-    records = sorted(records, key=results.record_key)
+    records = [labelled(r) for r in sorted(records, key=results.record_key)]
     full = {(r["task"], r["example"], r["question"]): float(r["score"]) for r in records if r["method"] == "full"}
+    full_bytes = {(r["task"], r["example"]): r["bytes"] for r in records if r["method"] == "full" and "bytes" in r}
     groups = collections.defaultdict(list)
     for r in records:
         groups[r["task"], r["method"], r["mode"], round(float(r["ratio"]), 6)].append(r)
@@ -146,8 +161,18 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             **dict(zip(("agree_lo", "agree_hi"), wilson(agreed, len(group)))),
             "kl": _mean(float(r["kl"]) for r in group),
             "flip": _mean(float(r["flip"]) for r in group),
+            **_bytes(group, full_bytes),
         })
     return sorted(rows, key=_row_order)
+
+
+def _bytes(group: Sequence[dict], full_bytes: dict) -> dict:
+    """bytes: the mean kept-pair bytes per answer's context; bytes_share: 100 x their mean share of the full cache's
+    (None without bytes in every record)."""
+    if not all("bytes" in r and (r["task"], r["example"]) in full_bytes for r in group):
+        return {"bytes": None, "bytes_share": None}
+    return {"bytes": _mean(r["bytes"] for r in group),
+            "bytes_share": 100 * _mean(r["bytes"] / full_bytes[r["task"], r["example"]] for r in group)}
 
 
 def _spec(value: str) -> tuple[str, str]:
@@ -175,7 +200,7 @@ def markdown_table(rows: Sequence[dict], value: str = "normalised") -> str:
     ratios = sorted({r["ratio"] for r in rows}, reverse=True)
     cells = collections.defaultdict(dict)  # (task, method, mode) -> ratio -> text
     for r in rows:
-        shown = "score" if r["method"] == "full" else value
+        shown = "score" if r["method"] == "full" and value != "bytes_share" else value
         v = _shown(r, shown)
         text = "-" if v is None else VALUES[shown][1].format(v)
         if v is not None and shown in ("normalised", "agree") and r.get(f"{shown}_lo") is not None:
@@ -261,9 +286,47 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
     return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
 
+def pareto(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised") -> Path:
+    """A PNG with one subplot per task: value (normalised score) against the bytes of the kept pairs (% of the full
+    cache's, log scale), one line per method through its ratios (eviction alone, eviction + quantization,
+    quantization alone as single points), the full cache at 100% of the bytes. Written atomically."""
+    points = [r for r in rows if r["bytes_share"] is not None and r[value] is not None]
+    if not points:
+        raise ValueError("no rows with bytes to plot")
+    tasks = list(dict.fromkeys(r["task"] for r in points))
+    ncols = min(3, len(tasks))
+    nrows = math.ceil(len(tasks) / ncols)
+    fig = Figure(figsize=(5 * ncols, 3.8 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    series = list(dict.fromkeys((r["method"], r["mode"]) for r in points))
+    palette = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    bases = list(dict.fromkeys(method.split("+")[0] for method, _ in series))
+    for ax, task in zip(axes, tasks):
+        for method, mode in series:
+            pts = sorted((r["bytes_share"], r[value]) for r in points
+                         if (r["task"], r["method"], r["mode"]) == (task, method, mode))
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            base, _, bits = method.partition("+")
+            style = {"": "-", "int8": "--", "int4": ":"}[bits]
+            ax.plot(xs, ys, marker="s" if method == "full" else "o", markersize=4, linestyle=style,
+                    color=palette[bases.index(base) % len(palette)],
+                    label=method if mode in ("reuse", "full") else f"{method} ({mode})")
+        ax.set_xscale("log")
+        ax.set(title=task, xlabel="bytes of the kept pairs (% of the full cache's)", ylabel=VALUES[value][0])
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="x-small")
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
+    return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+
+
 def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Path]:
-    """summary.md (normalised score, agreement and KL tables), summary.csv and scores.png in out_dir, each
-    written atomically; returns their paths under the keys "markdown", "csv", "plot"."""
+    """summary.md (normalised score, agreement and KL tables; bytes where the records carry them), summary.csv and
+    scores.png in out_dir, each written atomically, and pareto.png (score against bytes) for a sweep that quantizes;
+    returns their paths under the keys "markdown", "csv", "plot" (and "pareto")."""
     records = read_records(jsonl_path)
     if not records:
         raise ValueError(f"{jsonl_path} holds no records")
@@ -275,13 +338,19 @@ def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> d
     sections = [f"# {records[0]['model']}: {len(records)} answers ({Path(jsonl_path).name})\n"]
     for value, heading in (("normalised", "Score normalised by the full cache's (%)"),
                            ("agree", "Answers equal to the full cache's (%)"),
-                           ("kl", "Next-token KL(full || compressed), teacher-forced")):
-        sections.append(f"## {heading}\n\n{note}{markdown_table(rows, value)}")
-    return {
+                           ("kl", "Next-token KL(full || compressed), teacher-forced"),
+                           ("bytes_share", "Bytes of the kept pairs (% of the full cache's)")):
+        if any(r[value] is not None for r in rows):
+            sections.append(f"## {heading}\n\n{note}{markdown_table(rows, value)}")
+    written = {
         "markdown": _write_text(out / "summary.md", "\n".join(sections)),
         "csv": write_csv(rows, out / "summary.csv"),
         "plot": plot(rows, out / "scores.png"),
     }
+    if any(r.get("kv_bits", 16) != 16 for r in records):
+        scored = any(r["normalised"] is not None for r in rows)  # else (no full-cache answer right) agreement
+        written["pareto"] = pareto(rows, out / "pareto.png", "normalised" if scored else "agree")
+    return written
 
 
 def merge_report(folder: str | os.PathLike) -> dict[str, Path]:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from kvzip_jax.errors import EmptyInputError, KvzipError
 
-KEY_FIELDS = ("task", "example", "method", "mode", "ratio", "question")
+KEY_FIELDS = ("task", "example", "method", "mode", "ratio", "question", "kv_bits")
+KEY_DEFAULTS = {"kv_bits": 16}  # records written before the field existed: the model's dtype
 RESULTS_NAME = "results.jsonl"  # a one-process sweep's, and the merged one
 SHARE_NAME = re.compile(r"results\.\d+-of-\d+\.jsonl")  # process I of N's (results_name)
 RESULTS_VERSION = 3  # 2: one answer path for every cache, published H2O and PyramidKV, per-head floors; 3: tokenizer
@@ -40,7 +41,8 @@ class SweepMismatchError(KvzipError):
 
 def record_key(record: dict) -> tuple:
     """What identifies one answer of a sweep."""
-    return tuple(record[field] for field in KEY_FIELDS)
+    return tuple(record[field] if field not in KEY_DEFAULTS else record.get(field, KEY_DEFAULTS[field])
+                 for field in KEY_FIELDS)
 
 
 def fingerprint(settings: dict) -> str:

@@ -51,6 +51,7 @@ from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, SweepMismatchEr
 from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
+from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights.identity import model_identity, package_version, tokenizer_hash
 
 VERSIONS = {package: package_version(package)  # the packages that compute an answer (every record carries them)
@@ -59,6 +60,7 @@ VERSIONS = {package: package_version(package)  # the packages that compute an an
 MODES = ("reuse", "first", "oracle")
 FULL = "full"
 METHODS = baselines.METHODS + tuple(matching.METHODS)
+KV_BITS = (16, 8, 4)
 CAPACITY_MULTIPLE = 64
 QUERY_CAP = matching.MatchingConfig().query_cap  # Attention Matching's default reference rows per KV head and layer
 
@@ -76,6 +78,9 @@ class SweepConfig:
     self_study_samples: int = 1  # turns per self-study prompt and context (matching.self_study.probes)
     self_study_tokens: int = 64  # most tokens of a self-study answer
     query_cap: int = QUERY_CAP  # most reference rows per KV head and layer, all sources
+    kv_bits: tuple[int, ...] = (16,)  # every cache answers at each: 16 the model's dtype, 8 / 4 quantized kept pairs
+    kv_group: int = 64  # elements per scale of the quantized pairs (the head dim when smaller)
+    kv_window: int = kv.WINDOW  # recent tokens at full precision in a quantized cache
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(METHODS))
@@ -91,6 +96,19 @@ class SweepConfig:
             raise ValueError("self_study adds Attention Matching reference queries: name an am-* or kvzip-am method")
         if min(self.self_study_samples, self.self_study_tokens, self.query_cap) < 1:
             raise ValueError("self_study_samples, self_study_tokens and query_cap must be >= 1")
+        if not self.kv_bits or set(self.kv_bits) - set(KV_BITS):
+            raise ValueError(f"kv_bits must be among {KV_BITS}, got {self.kv_bits}")
+        if self.kv_window < 1:
+            raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
+        if self.quantizes:
+            self.kv_format(8)  # a named error for a bad group
+
+    @property
+    def quantizes(self) -> bool:
+        return any(bits != 16 for bits in self.kv_bits)
+
+    def kv_format(self, bits: int) -> quant.QuantFormat:
+        return quant.QuantFormat(bits=bits, group=self.kv_group)
 
     def modes_of(self, method: str) -> tuple[str, ...]:
         return self.modes if method in baselines.QUERY_AWARE else ("reuse",)
@@ -104,7 +122,9 @@ class SweepConfig:
                     chunk_size=self.chunk_size, seed=self.seed,
                     **({"self_study": dict(samples=self.self_study_samples, max_new_tokens=self.self_study_tokens)}
                        if self.self_study else {}),
-                    **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}))
+                    **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}),
+                    **({"kv_quant": dict(group=self.kv_group, window=self.kv_window)}
+                       if (self.kv_group, self.kv_window) != (64, kv.WINDOW) else {}))
 
 
 def example_hash(ex: Example) -> str:
@@ -282,16 +302,20 @@ class Sweep:
         self.on_answers = on_answers
 
     # -- what a batch must produce -----------------------------------------------------------------------------
-    def configurations(self) -> list[tuple[str, str, float]]:
-        """(method, mode, ratio) of every compressed cache, after the full cache's (full, full, 1.0)."""
-        out = [(FULL, FULL, 1.0)]
+    def configurations(self) -> list[tuple[str, str, float, int]]:
+        """(method, mode, ratio, kv bits) of every compressed cache, after the full cache's (full, full, 1.0, 16) and
+        the full cache quantized (full, full, 1.0, 8 / 4: quantization alone)."""
+        bits = self.config.kv_bits
+        out = [(FULL, FULL, 1.0, 16)] + [(FULL, FULL, 1.0, b) for b in bits if b != 16]
         for method in self.config.methods:
             for mode in self.config.modes_of(method):
-                out += [(method, mode, float(r)) for r in self.config.ratios]
+                out += [(method, mode, float(r), b) for r in self.config.ratios for b in bits]
         return out
 
-    def pending(self, batch: Batch, method: str, mode: str, ratio: float) -> bool:
-        return any((ex.task, ex.id, method, mode, ratio, i) not in self.results.done
+    def pending(self, batch: Batch, method: str, mode: str, ratio: float, bits: int | None = None) -> bool:
+        """Whether an answer of the configuration (at any of the sweep's kv bits when bits is None) is missing."""
+        return any((ex.task, ex.id, method, mode, ratio, i, b) not in self.results.done
+                   for b in ((bits,) if bits is not None else self.config.kv_bits)
                    for ex in batch.examples for i in range(len(ex.questions)))
 
     def answers_pending(self, batch: Batch) -> int:
@@ -311,7 +335,10 @@ class Sweep:
 
         start = time.perf_counter()
         full = self._full_answers(batch, cache)
-        self._record(batch, (FULL, FULL, 1.0), full, full, time.perf_counter() - start)
+        self._record(batch, (FULL, FULL, 1.0, 16), full, full, time.perf_counter() - start, kv.row_bytes(cache))
+        for bits in self.config.kv_bits:
+            if bits != 16 and self.pending(batch, FULL, FULL, 1.0, bits):  # quantization alone
+                self._answer_quantized(batch, (FULL, FULL, 1.0, bits), cache, range(batch.num_questions), full)
 
         context_rows = [c.ids()[c.context_slice] for c in batch.contexts]
         n_pad = -(-int(context_len.max()) // 64) * 64
@@ -348,12 +375,17 @@ class Sweep:
                         else:
                             masked, keeps_all = _masked(method, scores, cache, *lengths, jnp.float32(ratio),
                                                         self.evictable)
-                        if bool(keeps_all):  # the mask keeps every pair: the same computation gives the same
-                            got = {i: full[i] for i in asked}  # answers (tests/test_eval_sweep.py checks it)
-                        else:
-                            got = self._compressed_answers(batch, masked, asked, full)
+                        if self.pending(batch, *key, 16):
+                            if bool(keeps_all):  # the mask keeps every pair: the same computation gives the same
+                                got = {i: full[i] for i in asked}  # answers (tests/test_eval_sweep.py checks it)
+                            else:
+                                got = self._compressed_answers(batch, masked, asked, full)
+                            self._record(batch, (*key, 16), got, full, time.perf_counter() - start,
+                                         kv.row_bytes(masked))
+                        for bits in self.config.kv_bits:
+                            if bits != 16 and self.pending(batch, *key, bits):
+                                self._answer_quantized(batch, (*key, bits), masked, asked, full)
                         del masked
-                        self._record(batch, key, got, full, time.perf_counter() - start)
                         host_memory.release_freed(collect=False)  # the cache copy it answered from
 
     def _scores(self, method, cache, batch, lengths, shared, context_tokens, observed):
@@ -366,6 +398,13 @@ class Sweep:
             question = (jnp.asarray(block), jnp.asarray(q_len))
         return _baseline_scores(method, self.params, self.model.cfg, cache, *lengths, jnp.asarray(context_tokens),
                                 question=question, key=self._row_keys(batch))
+
+    def _answer_quantized(self, batch: Batch, key: tuple, cache: kv.KVCache, asked, full) -> None:
+        """Records the answers of `cache` with its kept pairs quantized to key's kv bits (cache.quantized)."""
+        start = time.perf_counter()
+        quantized = kv.quantized(cache, self.config.kv_format(key[-1]), self.config.kv_window)
+        got = self._compressed_answers(batch, quantized, asked, full)
+        self._record(batch, key, got, full, time.perf_counter() - start, kv.row_bytes(quantized))
 
     def _row_keys(self, batch: Batch) -> jax.Array:
         """One PRNG key per row from the seed and the example id: random scores independent of the batching."""
@@ -399,21 +438,22 @@ class Sweep:
             out[i] = dict(tokens=got.tokens, kl=placement.to_host(kl), flip=placement.to_host(flip))
         return out
 
-    def _record(self, batch: Batch, key: tuple[str, str, float], got: dict[int, dict], full: dict[int, dict],
-                seconds: float) -> None:
-        method, mode, ratio = key
+    def _record(self, batch: Batch, key: tuple[str, str, float, int], got: dict[int, dict], full: dict[int, dict],
+                seconds: float, row_bytes: np.ndarray) -> None:
+        """Appends the answers `got` of configuration key; row_bytes [B]: the bytes of each row's kept pairs."""
+        method, mode, ratio, bits = key
         tok = self.model.tokenizer
         text = lambda tokens: tok.decode([t for t in tokens if t not in self.stops]).strip()
         records = []
         for b, ex in enumerate(batch.examples):
             for i in got:
-                if i >= len(ex.questions) or (ex.task, ex.id, method, mode, ratio, i) in self.results.done:
+                if i >= len(ex.questions) or (ex.task, ex.id, method, mode, ratio, i, bits) in self.results.done:
                     continue
                 prediction = text(got[i]["tokens"][b])
                 records.append(dict(
                     config=self.fingerprint, example_hash=example_hash(ex), versions=VERSIONS,
                     model=self.model.name, task=ex.task, example=ex.id, question=i, method=method, mode=mode,
-                    ratio=ratio, prediction=prediction, references=list(ex.answers[i]), metric=ex.metric,
+                    ratio=ratio, kv_bits=bits, bytes=int(row_bytes[b]), prediction=prediction, references=list(ex.answers[i]), metric=ex.metric,
                     score=metrics.score(ex.metric, prediction, ex.answers[i]),
                     agree=prediction == text(full[i]["tokens"][b]), kl=float(got[i]["kl"][b]),
                     flip=float(got[i]["flip"][b]), seconds=0.0))
