@@ -147,7 +147,9 @@ def compressed(cfg: ModelConfig, cache: kv.KVCache, tokens: int, seed: int = 1):
 def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
     """Seconds of one decode step's attention over every layer's cache (no projections, no MLP)."""
     B, K, G, H = cache.batch_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-    q = jax.random.normal(jax.random.key(3), (B, 1, K, G, H), jnp.float32).astype(cache.layers[0].k.dtype)
+    first = cache.layers[0]
+    dtype = (first.window if isinstance(first, kv.QuantizedLayerCache) else first).k.dtype  # the model's dtype
+    q = jax.random.normal(jax.random.key(3), (B, 1, K, G, H), jnp.float32).astype(dtype)
 
     @jax.jit
     def run(q, cache):
