@@ -237,3 +237,9 @@ def test_jit_equals_eager_and_misuse_is_named():
         kv.quantized(cache, fmt, window=0)
     with pytest.raises(ValueError, match="before the cache was quantized"):
         kv.rewind(eager, kv.mark(cache))
+
+
+def test_the_clis_default_window_is_the_caches():
+    from kvzip_jax.cli import options
+
+    assert options.KV_WINDOW == kv.WINDOW
