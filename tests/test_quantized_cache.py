@@ -62,8 +62,9 @@ def test_every_form_attends_as_its_dequantized_twin(form, fmt):
     assert int(cache.layers[0].window.lengths[0, 0]) == len(QUESTION) + 6  # nothing flushed
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("ragged", [False, True])
-def test_attention_over_store_and_window_equals_dense_attention(ragged):
+def test_attention_over_store_and_window_equals_dense_attention(ragged, bits):
     """The store (dequantized block by block, in chunks for a ragged one) then the window, as one online softmax,
     equals dense attention over [dequantized store | window] with the causal bound on the new tokens."""
     rng = np.random.default_rng(0)
@@ -74,7 +75,7 @@ def test_attention_over_store_and_window_equals_dense_attention(ragged):
     k, v = (jnp.asarray(rng.normal(size=(B, K, 16, H)), jnp.float32) for _ in range(2))
     bias = jnp.asarray(rng.normal(size=(B, K, 16)), jnp.float32)
     wk, wv = (jnp.asarray(rng.normal(size=(B, K, R, H)), jnp.float32) for _ in range(2))
-    fmt = quant.QuantFormat(bits=4, group=8)
+    fmt = quant.QuantFormat(bits=bits, group=8)
     store = kv.LayerCache(k=quant.quantize(k, fmt), v=quant.quantize(v, fmt), lengths=jnp.asarray(stored, jnp.int32),
                           bias=bias)
     if ragged:
