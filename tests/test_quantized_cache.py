@@ -207,19 +207,21 @@ def test_bytes_of_kvzip_at_0_3_with_int4_are_below_0_085_of_the_bf16_cache():
     assert kv.used_bytes(kv.quantized(full, quant.QuantFormat(bits=4, group=64))) / kv.used_bytes(full) == 0.28125
 
 
-def test_a_compiled_decode_step_holds_no_float_copy_of_a_quantized_store():
-    """The ragged store is dequantized chunk by chunk: the compiled step's temporaries stay below one float32
-    copy of the store (its keys alone)."""
+@pytest.mark.parametrize("ragged", [True, False])
+def test_a_compiled_decode_step_holds_no_float_copy_of_a_quantized_store(ragged):
+    """A ragged store is dequantized chunk by chunk, a dense one block by block: the compiled step's temporaries
+    stay below half a float32 copy of the store's keys alone."""
     cfg = dataclasses.replace(CFG, head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=64, num_layers=1,
                               layer_types=(), max_position=8192)
     params = init_params(cfg, seed=0, scale=0.1)
-    full = gen.prefill(params, cfg, [np.arange(4096, dtype=np.int32) % cfg.vocab_size], capacity=16384)[1]
-    cache = kv.quantized(kv.pack(full, 64), quant.QuantFormat(bits=4, group=64))
+    full = gen.prefill(params, cfg, [np.arange(4096, dtype=np.int32) % cfg.vocab_size], capacity=8192)[1]
+    cache = kv.quantized(kv.pack(full, 64) if ragged else full, quant.QuantFormat(bits=4, group=64))
     store = cache.layers[0].store
     compiled = gen.forward_step.lower(params, jnp.zeros((1, 1), jnp.int32), jnp.array([1], jnp.int32), cache,
                                       cfg).compile()
-    float_keys = store.k.shape[1] * store.k.shape[2] * 4  # one float32 copy of the store's keys
-    assert store.k.shape[1] > 2 * attention.RAGGED_CHUNK_SLOTS
+    float_keys = int(np.prod(store.k.shape)) * 4  # one float32 copy of the store's keys
+    if ragged:
+        assert store.k.shape[1] > 2 * attention.RAGGED_CHUNK_SLOTS
     assert compiled.memory_analysis().temp_size_in_bytes < float_keys / 2
 
 
