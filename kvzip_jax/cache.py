@@ -131,10 +131,11 @@ def _room(layer) -> jax.Array:
 
 def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float32) -> KVCache:
     """An empty cache with room for `capacity` tokens per KV head in every layer."""
-    shape = (batch_size, cfg.num_kv_heads, capacity, cfg.head_dim)  # [B, K, C, H]
+    k_width, v_width = cfg.cache_widths()  # H and H; an MLA cache's RoPE key and latent
+    shape = lambda width: (batch_size, cfg.num_kv_heads, capacity, width)  # [B, K, C, H]
     layer = lambda: LayerCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=jnp.zeros(shape(k_width), dtype),
+        v=jnp.zeros(shape(v_width), dtype),
         lengths=jnp.zeros((batch_size, cfg.num_kv_heads), jnp.int32),
     )
     return KVCache(layers=tuple(layer() for _ in range(cfg.num_layers)),
@@ -218,9 +219,9 @@ def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), wind
             raise TypeError("the cache is quantized already")
         copied = jax.tree.map(jnp.copy, dataclasses.replace(layer, k=None, v=None))  # new arrays: donation-safe
         store = dataclasses.replace(copied, k=quant.quantize(layer.k, fmt), v=quant.quantize(layer.v, fmt))
-        B, K, H = layer.lengths.shape + (layer.k.shape[-1],)
-        empty = lambda: jnp.zeros((B, K, window, H), layer.k.dtype)  # two arrays: each may be donated
-        return QuantizedLayerCache(store=store, window=LayerCache(k=empty(), v=empty(),
+        B, K = layer.lengths.shape
+        empty = lambda x: jnp.zeros((B, K, window, x.shape[-1]), x.dtype)  # k and v widths (MLA: they differ)
+        return QuantizedLayerCache(store=store, window=LayerCache(k=empty(layer.k), v=empty(layer.v),
                                                                   lengths=jnp.zeros_like(layer.lengths)))
 
     return KVCache(layers=tuple(layer_of(layer) for layer in cache.layers), next_position=jnp.copy(cache.next_position))

@@ -7,6 +7,9 @@ Families are flags, not subclasses:
   gemma3 (text): (1+w) norms (the +1 is baked into our params), sqrt(D) embedding scale, query_pre_attn_scalar,
          GELU-tanh MLP, pre/post attention and FFN norms, q/k norms, hybrid sliding/global layers with their own
          RoPE bases.
+  deepseek (DeepSeek-V2/V3, dense MLP layers): multi-head latent attention (MLASpec). The cache holds one latent row
+         per token and layer, a single "KV head": k is the shared RoPE key [.., qk_rope_head_dim] and v the latent
+         [.., kv_lora_rank]; num_kv_heads is 1 and head_dim the RoPE width.
 The config is registered static, so it can be passed straight through `jax.jit` as an ordinary argument.
 """
 
@@ -23,10 +26,27 @@ import jax
 from kvzip_jax.errors import ModelFileError, UnsupportedArchitectureError
 from pallas_kernels.dispatch import IMPLS
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "deepseek")
 FULL, SLIDING = "full", "sliding"
+MLA_FORMS = ("absorbed", "naive")
 
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3"}
+_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3",
+                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3). q_lora_rank: the query's down-projection rank (None: one
+    projection); kv_lora_rank (R): the cached latent's width; qk_nope_head_dim, qk_rope_head_dim (the shared RoPE
+    key's width), v_head_dim: per-head widths. RoPE's interleaved lane order (V3's rope_interleave, V2's complex
+    pairs) is taken out at conversion: the rotary columns of the projections are stored evens first."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
 
 
 @jax.tree_util.register_static
@@ -89,9 +109,13 @@ class ModelConfig:
     activation: str = "silu"  # silu | gelu_tanh
     embed_scale: float = 1.0  # Gemma: sqrt(D)
     query_scale: float = 0.0  # multiplies q.k; 0 means head_dim ** -0.5
+    mla: MLASpec | None = None  # deepseek: multi-head latent attention
     # A kernel flag, not part of the model (never saved): "auto" | "xla" | "pallas" for decode attention and the
     # KVzip score reduction (pallas_kernels.resolve_impl; auto is Pallas on a CUDA GPU, XLA elsewhere).
     attention_impl: str = "auto"
+    # MLA's attention form, a runtime choice (never saved): "absorbed" (attend over the latents with W_UK folded
+    # into the queries and W_UV applied after; models/mla.py) or "naive" (the latents up-projected per head).
+    mla_form: str = "absorbed"
 
     def __post_init__(self):
         if self.architecture not in ARCHITECTURES:
@@ -106,6 +130,13 @@ class ModelConfig:
             raise ValueError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
         if self.attention_impl not in IMPLS:
             raise ValueError(f"attention_impl must be one of {IMPLS}, got {self.attention_impl!r}")
+        if self.mla_form not in MLA_FORMS:
+            raise ValueError(f"mla_form must be one of {MLA_FORMS}, got {self.mla_form!r}")
+        if (self.architecture == "deepseek") != (self.mla is not None):
+            raise ValueError("the deepseek architecture, and it alone, has an MLASpec")
+        if self.mla is not None and (self.num_kv_heads != 1 or self.head_dim != self.mla.qk_rope_head_dim):
+            raise ValueError("an MLA cache is one latent 'KV head' whose key is the RoPE part: num_kv_heads 1, "
+                             "head_dim qk_rope_head_dim")
         if self.query_scale == 0.0:
             object.__setattr__(self, "query_scale", self.head_dim**-0.5)
 
@@ -113,6 +144,12 @@ class ModelConfig:
     def group_size(self) -> int:
         """G: query heads per KV head."""
         return self.num_heads // self.num_kv_heads
+
+    def cache_widths(self) -> tuple[int, int]:
+        """(k, v) widths of a cached pair: (H, H), or for MLA (the RoPE key, the latent)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim, self.mla.kv_lora_rank
+        return self.head_dim, self.head_dim
 
     def rope_for(self, layer: int) -> RopeSpec:
         if self.layer_types[layer] == SLIDING and self.rope_sliding is not None:
@@ -125,7 +162,9 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """The model's description (attention_impl, a runtime choice, left out)."""
         d = dataclasses.asdict(self)
-        del d["attention_impl"]
+        del d["attention_impl"], d["mla_form"]
+        if d["mla"] is None:
+            del d["mla"]  # the saved form of the other families is unchanged (checkpoint identity hashes)
         return d
 
     @classmethod
@@ -134,6 +173,7 @@ class ModelConfig:
         d["rope"] = RopeSpec(**d["rope"])
         d["rope_sliding"] = RopeSpec(**d["rope_sliding"]) if d.get("rope_sliding") else None
         d["layer_types"] = tuple(d["layer_types"])
+        d["mla"] = MLASpec(**d["mla"]) if d.get("mla") else None
         return cls(**d)
 
     @classmethod
@@ -175,6 +215,8 @@ class ModelConfig:
             max_position=hf.get("max_position_embeddings", 8192),
             tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
         )
+        if arch == "deepseek":
+            return _deepseek(hf, common, rope_params, theta)
         if arch in ("llama", "qwen2", "qwen3"):
             if hf.get("use_sliding_window"):
                 raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=True is not supported")
@@ -211,3 +253,21 @@ class ModelConfig:
             embed_scale=math.sqrt(hidden),
             query_scale=float(hf.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5,
         )
+
+
+def _deepseek(hf: dict, common: dict, rope_params, theta: float) -> ModelConfig:
+    """A DeepSeek-V2/V3 config with dense MLP layers only; MoE layers, attention biases and YaRN are named errors."""
+    layers = common["num_layers"]
+    dense = hf.get("first_k_dense_replace")
+    if hf.get("n_routed_experts") and (dense is None or dense < layers):
+        raise UnsupportedArchitectureError(
+            f"{hf.get('model_type')} with mixture-of-experts layers is not supported (n_routed_experts "
+            f"{hf.get('n_routed_experts')}, first_k_dense_replace {dense} < {layers} layers): only dense MLP layers")
+    if hf.get("attention_bias"):
+        raise UnsupportedArchitectureError(f"{hf.get('model_type')} with attention_bias=True is not supported")
+    rope = RopeSpec.from_hf(rope_params, theta)  # YaRN (DeepSeek-V2-Lite's) raises: not supported yet
+    mla = MLASpec(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
+                  qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                  v_head_dim=hf["v_head_dim"])
+    return ModelConfig(**{**common, "num_kv_heads": 1, "head_dim": mla.qk_rope_head_dim}, rope=rope, mla=mla,
+                       query_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5)

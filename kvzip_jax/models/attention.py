@@ -137,18 +137,20 @@ def _rows(q: jax.Array, scale: float) -> jax.Array:
 
 
 def _unrows(out: jax.Array, q: jax.Array) -> jax.Array:
-    """[B, K, M, H] -> [B, T, K, G, H] in q's dtype."""
-    B, T, K, G, H = q.shape
-    return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).astype(q.dtype)
+    """[B, K, M, Hv] -> [B, T, K, G, Hv] in q's dtype (Hv: the values' width)."""
+    B, T, K, G, _ = q.shape
+    return out.reshape(B, K, G, T, out.shape[-1]).transpose(0, 3, 1, 2, 4).astype(q.dtype)
 
 
-def _empty_state(qm: jax.Array):
+def _empty_state(qm: jax.Array, value_width: int | None = None):
     """Online-softmax state of query rows qm [B, K, M, H]: running max [B, K, M], normaliser [B, K, M], weighted
     values [B, K, M, H], and the normaliser over a subset of the keys [B, K, M]; made from qm (layers.zeros_from),
     so each layer's accumulator exists only with its queries (as constants, all 24 layers' were live at once in
     the KVzip reread of Qwen2.5-Coder-0.5B: 24 x 7.5 MiB)."""
     acc = layers.zeros_from(qm)  # [B, K, M, H]
     rows = acc[..., 0]  # [B, K, M]
+    if value_width is not None and value_width != acc.shape[-1]:  # values of another width (MLA's latents)
+        acc = rows[..., None] + jnp.zeros((value_width,), acc.dtype)  # [B, K, M, Hv]
     return rows + MASK_VALUE, rows, acc, rows
 
 
@@ -246,7 +248,7 @@ def key_block(rows: int, largest: int = 256, smallest: int = 64) -> int:
 
 
 def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                      key_keep=None, block: int | None = None, subset=None, key_bias=None):
+                      key_keep=None, block: int | None = None, subset=None, key_bias=None, latent_keys: bool = False):
     """dense_attention's output without materialising scores over the cache.
 
     q [B, T, K, G, H]; k, v [B, K, C, H] the cache (arrays, or quant.Quantized rows: dequantized one block at a
@@ -258,19 +260,21 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
     the log of each query row's softmax normaliser, over all visible keys and over the visible keys of a subset
     (observers reuse them; a subset is free: it reuses the same logits). subset: a function of cache slots
     [B, K, S] -> bool [B, K, S] (the new keys always belong to it); None: all keys. key_bias [B, K, C]: a logit
-    added per cache slot (a compacted cache's beta), or None.
+    added per cache slot (a compacted cache's beta), or None. latent_keys: MLA's absorbed form, where a slot's key is
+    [v | k] (its latent, then its RoPE key; q is as wide) and its value v (models/mla.py).
     """
     qm = _rows(q, scale)
-    state = _visit_cache(_empty_state(qm), qm, k, v, filled, query_slots, window, block, key_keep, subset, key_bias)
+    state = _visit_cache(_empty_state(qm, v.shape[-1]), qm, k, v, filled, query_slots, window, block, key_keep,
+                         subset, key_bias, latent_keys=latent_keys)
     if k_new is not None:
         state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
     return _finish(state, q)
 
 
 def _visit_cache(state, qm, k, v, filled, query_slots, window: int | None, block: int | None, key_keep=None,
-                 subset=None, key_bias=None, first_slot=None):
+                 subset=None, key_bias=None, first_slot=None, latent_keys: bool = False):
     """blocked_attention's online-softmax steps over the visible slots of a dense cache k, v [B, K, C, H] (arrays or
-    Quantized), whose slot j is first_slot [B, K] + j (None: j)."""
+    Quantized), whose slot j is first_slot [B, K] + j (None: j); latent_keys: keys [v | k] (blocked_attention)."""
     B, K, M, H = qm.shape
     C = k.shape[2]
     block_c = math.gcd(C, block or key_block(B * K * M))
@@ -282,6 +286,8 @@ def _visit_cache(state, qm, k, v, filled, query_slots, window: int | None, block
     def visit(j, state):
         kb = _dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), k))
         vb = _dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), v))
+        if latent_keys:
+            kb = jnp.concatenate([vb, kb.astype(vb.dtype)], axis=-1)  # [B, K, S, R + dr]
         local = jnp.broadcast_to(j * block_c + jnp.arange(block_c, dtype=jnp.int32), (B, K, block_c))
         visible = local < filled[..., None]
         if key_keep is not None:
@@ -303,18 +309,20 @@ def _dequantized(x):
 def _resumed(q, out, lse, subset_lse, scale: float):
     """The online-softmax state (and the query rows) behind a finished (out, lse, subset_lse): running max lse,
     normaliser 1, weighted values out, subset normaliser exp(subset_lse - lse)."""
-    B, T, K, G, H = q.shape
+    B, T, K, G, _ = q.shape
     m = lse.reshape(B, K, G * T)  # [B, K, M]: rows ordered (g, t), as _rows orders them
-    acc = out.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
+    acc = out.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, out.shape[-1])
     return _rows(q, scale), (m, jnp.ones_like(m), acc, jnp.exp(subset_lse.reshape(B, K, G * T) - m))
 
 
-def then_window(q, out, lse, subset_lse, k, v, first_slot, filled, query_slots, window: int | None, scale: float):
+def then_window(q, out, lse, subset_lse, k, v, first_slot, filled, query_slots, window: int | None, scale: float,
+                latent_keys: bool = False):
     """blocked_attention over [a cache | a window of keys after it] from its result over the cache alone (out, lse,
     subset_lse as blocked_attention returns them): the window's k, v [B, K, R, H] hold filled [B, K] keys at slots
     first_slot [B, K] + j (a quantized layer's full-precision window, written first)."""
     qm, state = _resumed(q, out, lse, subset_lse, scale)
-    return _finish(_visit_cache(state, qm, k, v, filled, query_slots, window, None, first_slot=first_slot), q)
+    return _finish(_visit_cache(state, qm, k, v, filled, query_slots, window, None, first_slot=first_slot,
+                                latent_keys=latent_keys), q)
 
 
 def then_new_keys(q, out, lse, subset_lse, k_new, v_new, filled, query_slots, window: int | None, scale: float):
@@ -330,10 +338,11 @@ RAGGED_CHUNK_SLOTS = 4096  # store slots a quantized ragged layer dequantizes at
 
 
 def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                     block: int, key_bias=None) -> jax.Array:
+                     block: int, key_bias=None, latent_keys: bool = False) -> jax.Array:
     """blocked_attention's result over a ragged layer: k, v [B, S, H] hold per-head segments that start at
     offsets [B, K] (multiples of `block`); head k's slot i lives at offsets[:, k] + i; filled [B, K]; k_new, v_new
-    as in blocked_attention (None: already written); key_bias [B, S]: a logit added per store slot, or None.
+    as in blocked_attention (None: already written); key_bias [B, S]: a logit added per store slot, or None;
+    latent_keys as in blocked_attention.
 
     Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
     most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
@@ -347,7 +356,7 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     quantized = isinstance(k, quant.Quantized)
     per_chunk = math.gcd(num_blocks, max(RAGGED_CHUNK_SLOTS // block, 1)) if quantized else num_blocks
     chunk = lambda c: _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block, key_bias, c * per_chunk,
-                                    per_chunk)
+                                    per_chunk, latent_keys)
     if per_chunk == num_blocks:
         state = chunk(0)
     else:
@@ -357,7 +366,8 @@ def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window
     return _finish(state, q)
 
 
-def _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block: int, key_bias, first: int, count: int):
+def _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block: int, key_bias, first: int, count: int,
+                  latent_keys: bool = False):
     """The per-head online-softmax state [B, K, M] (max, normaliser, subset normaliser) and [B, K, M, H] (weighted
     values) of qm [B, K, M, H] over the ragged store's blocks [first, first + count)."""
     B, K, M, H = qm.shape
@@ -373,8 +383,10 @@ def _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block: int, ke
     local = starts[None, :, None] + jnp.arange(block) - jnp.take_along_axis(offsets, owner, 1)[..., None]  # [B,N,b]
     visible = local < jnp.take_along_axis(filled, owner, 1)[..., None]  # [B, N, block]
     visible = attention_mask(qs_of_block, local, visible, window)  # [B, N, T, block]
-    kb = take(k).reshape(B, count, block, H)
-    vb = take(v).reshape(B, count, block, H)
+    kb = take(k).reshape(B, count, block, -1)
+    vb = take(v).reshape(B, count, block, -1)
+    if latent_keys:
+        kb = jnp.concatenate([vb, kb.astype(vb.dtype)], axis=-1)  # [B, N, block, R + dr]
     s = jnp.einsum("BNMH,BNSH->BNMS", q_of_block, kb, preferred_element_type=jnp.float32)
     if key_bias is not None:  # a -inf bias makes a key as masked as MASK_VALUE does (a block's max stays finite)
         bias = jax.lax.dynamic_slice_in_dim(key_bias, first * block, count * block, axis=1)

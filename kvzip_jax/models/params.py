@@ -13,6 +13,14 @@ Layout (all float32, einsum-ready, linear weights stored [in, out]):
     post_attn_norm [D]               gemma3
     mlp_norm       [D]
     gate_up        [D, 2F]           gate columns first, then up
+  MLA layers (deepseek) hold, in place of qkv and o (Q = q_lora_rank, R = kv_lora_rank, dn, dr, dv the per-head
+  nope, rope and value widths; each head's rotary columns evens first, config.MLASpec):
+    q              [D, N (dn + dr)]  without a query down-projection; else q_a [D, Q], q_a_norm [Q],
+                                     q_b [Q, N (dn + dr)]
+    kv_a           [D, R + dr]       the latent, then the shared RoPE key
+    kv_a_norm      [R]
+    kv_b           [R, N (dn + dv)]  per head: W_UK (dn columns), then W_UV (dv)
+    o              [N dv, D]
     down           [F, D]
     post_mlp_norm  [D]               gemma3
 """
@@ -42,6 +50,9 @@ def param_shapes(cfg: ModelConfig) -> dict:
         "gate_up": (D, 2 * F),
         "down": (F, D),
     }
+    if cfg.mla is not None:
+        del layer["qkv"]
+        layer.update(_mla_shapes(cfg))
     if cfg.qkv_bias:
         layer["qkv_bias"] = ((N + 2 * K) * H,)
     if cfg.qk_norm:
@@ -56,6 +67,15 @@ def param_shapes(cfg: ModelConfig) -> dict:
     for i in range(cfg.num_layers):
         tree[layer_name(i)] = dict(layer)
     return tree
+
+
+def _mla_shapes(cfg: ModelConfig) -> dict:
+    m, D, N = cfg.mla, cfg.hidden_size, cfg.num_heads
+    q_width = N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    shapes = {"q": (D, q_width)} if m.q_lora_rank is None else {
+        "q_a": (D, m.q_lora_rank), "q_a_norm": (m.q_lora_rank,), "q_b": (m.q_lora_rank, q_width)}
+    return {**shapes, "kv_a": (D, m.kv_lora_rank + m.qk_rope_head_dim), "kv_a_norm": (m.kv_lora_rank,),
+            "kv_b": (m.kv_lora_rank, N * (m.qk_nope_head_dim + m.v_head_dim)), "o": (N * m.v_head_dim, D)}
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models import attention, layers
+from kvzip_jax.models import attention, layers, mla
 from kvzip_jax.models.params import layer_name, param_shapes
 from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
@@ -42,10 +42,27 @@ class Block(nn.Module):
     def __call__(self, x, positions, layer_cache: kv.LayerCache, num_new):
         cfg, i = self.cfg, self.index
         p = _declare(self, param_shapes(cfg)[layer_name(i)])
-        B, T, _ = x.shape
-        N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
-
         h = layers.rms_norm(x, p("attn_norm"), cfg.rms_norm_eps)  # [B, T, D]
+        if cfg.mla is not None:
+            attn, layer_cache, observed = self._latent(p, h, positions, layer_cache, num_new)
+        else:
+            attn, layer_cache, observed = self._heads(p, h, positions, layer_cache, num_new)
+
+        if cfg.sandwich_norms:
+            attn = layers.rms_norm(attn, p("post_attn_norm"), cfg.rms_norm_eps)
+        x = x + attn
+        h = layers.rms_norm(x, p("mlp_norm"), cfg.rms_norm_eps)
+        ffn = layers.mlp(h, p("gate_up"), p("down"), cfg.activation)
+        if cfg.sandwich_norms:
+            ffn = layers.rms_norm(ffn, p("post_mlp_norm"), cfg.rms_norm_eps)
+        return constrain(x + ffn, DATA, None, None), layer_cache, observed
+
+    def _heads(self, p, h, positions, layer_cache, num_new):
+        """Grouped-query attention of h [B, T, D] over [cache | new tokens] -> (its output [B, T, D], the cache with
+        this step's pairs, the observer's output)."""
+        cfg, i = self.cfg, self.index
+        B, T, _ = h.shape
+        N, K, G, H = cfg.num_heads, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
         qkv = layers.linear(h, p("qkv"))  # [B, T, (N + 2K) H] float32
         if cfg.qkv_bias:
             qkv = qkv + p("qkv_bias").astype(jnp.float32)
@@ -74,15 +91,20 @@ class Block(nn.Module):
             out, observed = self._observe(q, h, layer_cache, k_new, v_new, query_slots, window, o_proj)
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
         attn = layers.linear(out.reshape(B, T, N * H), o_proj)  # [B, T, D]
+        return attn, layer_cache, observed
 
-        if cfg.sandwich_norms:
-            attn = layers.rms_norm(attn, p("post_attn_norm"), cfg.rms_norm_eps)
-        x = x + attn
-        h = layers.rms_norm(x, p("mlp_norm"), cfg.rms_norm_eps)
-        ffn = layers.mlp(h, p("gate_up"), p("down"), cfg.activation)
-        if cfg.sandwich_norms:
-            ffn = layers.rms_norm(ffn, p("post_mlp_norm"), cfg.rms_norm_eps)
-        return constrain(x + ffn, DATA, None, None), layer_cache, observed
+    def _latent(self, p, h, positions, layer_cache, num_new):
+        """Multi-head latent attention (models/mla.py): _heads' triple; the cache's pair is (RoPE key, latent)."""
+        cfg = self.cfg
+        B, T, _ = h.shape
+        if self.observer is not None:
+            raise NotImplementedError("observers (KVzip scoring, the baselines, Attention Matching) do not read MLA "
+                                      "layers yet")
+        q_nope, q_rope, c, k_rope = mla.project(p, cfg, self.index, h, positions)
+        query_slots = layer_cache.lengths[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, 1, T]
+        layer_cache = _write(layer_cache, k_rope[:, None], c[:, None], num_new)  # [B, 1, T, dr], [B, 1, T, R]
+        out = mla.attend(p, cfg, q_nope, q_rope, layer_cache, query_slots, cfg.window_for(self.index))
+        return layers.linear(out.reshape(B, T, -1), p("o")), layer_cache, None
 
     def _attend_written(self, q, layer_cache, query_slots, window):
         """Attention over a cache that already holds this step's keys -> out [B, T, K, G, H]."""
@@ -171,7 +193,7 @@ def _write(layer_cache: kv.LayerCache, k_new, v_new, num_new) -> kv.LayerCache:
 def _decode_kernel_applies(cfg: ModelConfig, q, window) -> bool:
     """Whether a decode step (one new token; no sliding window) runs on the Pallas decode kernels."""
     return (q.shape[1] == 1 and window is None and resolve_impl(cfg.attention_impl) == "pallas"
-            and supports_head_dim(cfg.head_dim))
+            and supports_head_dim(cfg.head_dim) and cfg.mla is None)
 
 
 def _decode_kernel(q, layer_cache, scale: float, impl: str):

@@ -37,6 +37,15 @@ _LAYER_TENSORS = {  # model.layers.{i}.<name> -> (param name, fused part); norm 
     "mlp.down_proj.weight": ("down", None),
 }
 _LLAMA_NORMS = {"post_attention_layernorm.weight": ("mlp_norm", None)}
+_MLA_TENSORS = {  # DeepSeek-V2/V3 attention (dense MLP layers use the llama names)
+    "input_layernorm.weight": ("attn_norm", None), "post_attention_layernorm.weight": ("mlp_norm", None),
+    "self_attn.q_proj.weight": ("q", None), "self_attn.q_a_proj.weight": ("q_a", None),
+    "self_attn.q_a_layernorm.weight": ("q_a_norm", None), "self_attn.q_b_proj.weight": ("q_b", None),
+    "self_attn.kv_a_proj_with_mqa.weight": ("kv_a", None), "self_attn.kv_a_layernorm.weight": ("kv_a_norm", None),
+    "self_attn.kv_b_proj.weight": ("kv_b", None), "self_attn.o_proj.weight": ("o", None),
+    "mlp.gate_proj.weight": ("gate_up", "gate"), "mlp.up_proj.weight": ("gate_up", "up"),
+    "mlp.down_proj.weight": ("down", None),
+}
 _GEMMA_NORMS = {
     "post_attention_layernorm.weight": ("post_attn_norm", None),
     "pre_feedforward_layernorm.weight": ("mlp_norm", None),
@@ -107,11 +116,37 @@ def _slot(cfg: ModelConfig, key: str, prefix: str) -> Slot | None:
     if name == "norm.weight":
         return Slot(("final_norm",))
     match = _LAYER_NAME.fullmatch(name)
-    table = {**_LAYER_TENSORS, **(_GEMMA_NORMS if cfg.architecture == "gemma3" else _LLAMA_NORMS)}
+    if cfg.mla is not None:
+        table = _MLA_TENSORS
+    else:
+        table = {**_LAYER_TENSORS, **(_GEMMA_NORMS if cfg.architecture == "gemma3" else _LLAMA_NORMS)}
     if match is None or match.group(2) not in table:
         return None
     param, part = table[match.group(2)]
     return Slot((f"layers_{int(match.group(1))}", param), part)
+
+
+def _rope_evens_first(cfg: ModelConfig, param: str):
+    """For an MLA projection whose output holds RoPE lanes in interleaved pairs (V3's rope_interleave, V2's complex
+    pairs): a transform of the HF weight [out, in] putting each RoPE block's even lanes first, then the odd ones, so
+    that the half-split RoPE of models/layers.py rotates the same pairs (q and k permuted alike: q.k is unchanged).
+    None for the other parameters."""
+    m = cfg.mla
+    rope = np.concatenate([np.arange(0, m.qk_rope_head_dim, 2), np.arange(1, m.qk_rope_head_dim, 2)])
+    if param in ("q", "q_b"):
+        width = m.qk_nope_head_dim + m.qk_rope_head_dim
+        order = np.concatenate([h * width + np.concatenate([np.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + rope])
+                                for h in range(cfg.num_heads)])
+    elif param == "kv_a":
+        order = np.concatenate([np.arange(m.kv_lora_rank), m.kv_lora_rank + rope])
+    else:
+        return None
+    return lambda w: w[order]
+
+
+def _interleaved_rope(folder: Path) -> bool:
+    hf = json.loads((folder / "config.json").read_text())
+    return hf.get("model_type") == "deepseek_v2" or bool(hf.get("rope_interleave", True))
 
 
 def params_from_hf(folder: str | Path, dtype=None, mesh=None) -> tuple[ModelConfig, dict]:
@@ -123,6 +158,7 @@ def params_from_hf(folder: str | Path, dtype=None, mesh=None) -> tuple[ModelConf
     cfg = ModelConfig.from_hf(folder)
     place = placer(cfg, dtype, mesh)  # a mesh the model does not fit fails here, before any read
     found = _read_all(safetensors_files(folder))
+    interleaved = cfg.mla is not None and _interleaved_rope(folder)
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in found) else "model."
     multimodal = prefix == "model.language_model."
     if "lm_head.weight" in found and cfg.tie_embeddings:
@@ -138,7 +174,10 @@ def params_from_hf(folder: str | Path, dtype=None, mesh=None) -> tuple[ModelConf
                 unexpected.append(key)
             continue
         gemma_norm = cfg.architecture == "gemma3" and slot.path[-1].endswith("norm")
-        tensors.append(SourceTensor(key, slot, shape, load, _plus_one if gemma_norm else None))
+        transform = _plus_one if gemma_norm else None
+        if cfg.mla is not None and interleaved:
+            transform = _rope_evens_first(cfg, slot.path[-1])
+        tensors.append(SourceTensor(key, slot, shape, load, transform))
     if unexpected:
         raise WeightShapeError(f"unexpected tensor(s) in {folder}: {', '.join(sorted(unexpected)[:12])}"
                                + (" ..." if len(unexpected) > 12 else ""))

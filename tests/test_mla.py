@@ -1,0 +1,131 @@
+"""Multi-head latent attention (DeepSeek-V3 style, dense MLP layers) against transformers on tiny random models,
+converted through a saved safetensors folder: logits over a prefill and 16 decode steps, the cached latents and RoPE
+keys, the absorbed form against the naive one, and every cache form."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from kvzip_jax import cache as kv
+from kvzip_jax import generate as gen
+from kvzip_jax.config import ModelConfig
+from kvzip_jax.errors import UnsupportedArchitectureError
+from kvzip_jax.models.transformer import forward
+from kvzip_jax.quant.groups import QuantFormat
+from kvzip_jax.weights.hf import params_from_hf
+
+TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
+            first_k_dense_replace=2, n_routed_experts=4, attn_implementation="eager")
+VARIANTS = {"q_lora": dict(q_lora_rank=24), "no_q_lora": dict(q_lora_rank=None),
+            "no_interleave": dict(q_lora_rank=24, rope_interleave=False)}
+
+
+def _tiny_hf_model(variant: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY, **VARIANTS[variant])).eval()
+    with torch.no_grad():  # larger than default init, so that mistakes show up in the logits
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if p.dim() == 1 else 0.15)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request, tmp_path_factory):
+    """(transformers model, our config, our params) converted through an HF safetensors folder."""
+    model = _tiny_hf_model(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    cfg, params = params_from_hf(folder)
+    return model, cfg, jax.tree.map(jnp.asarray, params)
+
+
+def _tokens(cfg, batch, length, seed=1):
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch, length)).astype(np.int32)
+
+
+def test_prefill_and_16_decode_steps_match_transformers(tiny):
+    """Logits within 1e-4 over a 20-token prefill and 16 decode steps; the cache holds transformers' latents exactly
+    and its RoPE keys up to the lane order (evens first, for an interleaved checkpoint)."""
+    model, cfg, params = tiny
+    assert cfg.mla is not None and cfg.num_kv_heads == 1 and cfg.cache_widths() == (8, 32)
+    tokens = _tokens(cfg, 2, 36)
+    with torch.no_grad():
+        out = model(torch.tensor(tokens[:, :20], dtype=torch.long), use_cache=True)
+        want = [out.logits[:, -1].numpy()]
+        past = out.past_key_values
+        for t in range(20, 36):
+            step = model(torch.tensor(tokens[:, t:t + 1], dtype=torch.long), past_key_values=past, use_cache=True)
+            want.append(step.logits[:, -1].numpy())
+            past = step.past_key_values
+    logits, cache = gen.prefill(params, cfg, tokens[:, :20], capacity=64)
+    got = [np.asarray(logits)]
+    for t in range(20, 36):
+        logits, cache = gen.forward_step(params, jnp.asarray(tokens[:, t:t + 1]), jnp.array([1, 1], jnp.int32), cache,
+                                         cfg)
+        got.append(np.asarray(logits[:, -1]))
+    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
+    interleaved = model.config.rope_interleave
+    lanes = np.concatenate([np.arange(0, 8, 2), np.arange(1, 8, 2)]) if interleaved else np.arange(8)
+    for i, layer in enumerate(cache.layers):
+        latents, rope_keys = past.layers[i].keys.numpy(), past.layers[i].values.numpy()  # [B, 1, T, R], [B, 1, T, dr]
+        np.testing.assert_allclose(np.asarray(layer.v[:, :, :36]), latents, atol=1e-5, rtol=1e-5)
+        if not interleaved:  # transformers caches the rotated key in its own lane order
+            np.testing.assert_allclose(np.asarray(layer.k[:, :, :36]), rope_keys[..., lanes], atol=1e-5, rtol=1e-5)
+
+
+def test_the_absorbed_form_equals_the_naive_one(tiny):
+    """The latents up-projected per head and attended as N heads give the absorbed form's logits within 1e-5,
+    over a prefill, chunk by chunk, and on a masked cache with a bias."""
+    _, cfg, params = tiny
+    naive = dataclasses.replace(cfg, mla_form="naive")
+    tokens = _tokens(cfg, 2, 30, seed=2)
+    positions = jnp.broadcast_to(jnp.arange(30, dtype=jnp.int32), (2, 30))
+    got = forward(params, jnp.asarray(tokens), positions, kv.init_cache(cfg, 2, 64), cfg, logits="all")[0]
+    want = forward(params, jnp.asarray(tokens), positions, kv.init_cache(cfg, 2, 64), naive, logits="all")[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+    _, cache = gen.prefill(params, cfg, tokens[:, :24], capacity=64)
+    rng = np.random.default_rng(0)
+    keep = jnp.asarray(rng.random((2, 1, 64)) < 0.5) | (jnp.arange(64) >= 20)
+    bias = jnp.where(jnp.arange(64) < 24, jnp.asarray(rng.normal(size=(2, 1, 64)), jnp.float32), 0.0)
+    masked = dataclasses.replace(cache, layers=tuple(dataclasses.replace(layer, keep=keep, bias=bias)
+                                                     for layer in cache.layers))
+    step = lambda c, config: gen.forward_step(params, jnp.asarray(tokens[:, 24:30]), jnp.array([6, 6], jnp.int32),
+                                              jax.tree.map(jnp.copy, c), config, logits="all")[0]
+    np.testing.assert_allclose(np.asarray(step(masked, cfg)), np.asarray(step(masked, naive)), atol=1e-5, rtol=0)
+
+
+def test_every_cache_form_holds_latents(tiny):
+    """Masked, ragged (one segment per layer: the latent is one 'KV head') and quantized MLA caches answer as the
+    dense one does: greedy tokens equal; the ragged and int8 ones with logits within 1e-4 and 5e-2."""
+    _, cfg, params = tiny
+    tokens = _tokens(cfg, 1, 24, seed=3)
+    logits, dense = gen.prefill(params, cfg, tokens, capacity=64)
+    everything = jnp.ones((1, 1, 64), bool)
+    masked = kv.mask_context(dense, everything[None].repeat(cfg.num_layers, 0)[..., :20], jnp.array([2]),
+                             jnp.array([20]))
+    ragged = kv.pack(masked, 16)
+    assert ragged.layers[0].offsets.shape == (1, 1)
+    assert kv.used_bytes(ragged) == cfg.num_layers * 24 * (8 + 32) * 4  # k_rope and latent per token, float32
+    forms = {"masked": masked, "ragged": ragged, "int8": kv.quantized(ragged, QuantFormat(bits=8, group=8))}
+    want, _, want_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, dense), 8, return_logits=True)
+    for name, cache in forms.items():
+        got, _, got_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, cache), 8, return_logits=True)
+        assert got == want, name
+        np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits),
+                                   atol=5e-2 if name == "int8" else 1e-4, rtol=0)
+
+
+def test_moe_layers_and_attention_biases_are_named_errors():
+    moe = transformers.DeepseekV3Config(**{**TINY, "first_k_dense_replace": 1}).to_dict()
+    with pytest.raises(UnsupportedArchitectureError, match="mixture-of-experts"):
+        ModelConfig.from_hf(moe)
+    biased = transformers.DeepseekV3Config(**{**TINY, "attention_bias": True}).to_dict()
+    with pytest.raises(UnsupportedArchitectureError, match="attention_bias"):
+        ModelConfig.from_hf(biased)
