@@ -129,3 +129,27 @@ def test_moe_layers_and_attention_biases_are_named_errors():
     biased = transformers.DeepseekV3Config(**{**TINY, "attention_bias": True}).to_dict()
     with pytest.raises(UnsupportedArchitectureError, match="attention_bias"):
         ModelConfig.from_hf(biased)
+
+
+def test_kvzip_jax_convert_round_trips_a_saved_deepseek_folder(tmp_path):
+    """`kvzip-jax convert --hf` writes the checkpoint; registry.load reads it back to the same config and the
+    same logits as the folder converted in memory."""
+    from kvzip_jax.cli import main as cli_main
+    from kvzip_jax.weights import registry
+
+    import shutil
+
+    from tests.conftest import tokenizer_folder
+
+    model = _tiny_hf_model("q_lora", seed=4)
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    for file in tokenizer_folder(registry.SMOLLM2).iterdir():  # convert saves the folder's tokenizer beside the weights
+        shutil.copy(file, folder / file.name)
+    assert cli_main(["convert", "--hf", str(folder), "--out", str(tmp_path / "ck")]) == 0
+    cfg, params = params_from_hf(folder)
+    loaded = registry.load(str(tmp_path / "ck"))
+    assert loaded.cfg == cfg
+    tokens = _tokens(cfg, 1, 12, seed=5)
+    want = gen.prefill(jax.tree.map(jnp.asarray, params), cfg, tokens)[0]
+    np.testing.assert_array_equal(np.asarray(gen.prefill(loaded.params, loaded.cfg, tokens)[0]), np.asarray(want))

@@ -6,6 +6,7 @@ dimension and replicated over data and seq; norms are replicated:
     embed [V, D]          (tensor, -)        lm_head [D, V]   (-, tensor)
     qkv [D, (N+2K)H]      (-, tensor)        o [NH, D]        (tensor, -)
     gate_up [D, 2F]       (-, tensor)        down [F, D]      (tensor, -)
+    MLA: q, q_b, kv_b [., N d] (-, tensor); q_a, kv_a (the shared down-projections) replicated
 
 A dimension the axis does not divide stays whole. Caches: dense layers k, v [B, K, C, H] over
 (data, tensor, seq, -), lengths [B, K] over (data, tensor), keep and bias [B, K, C] like k; ragged layers split
@@ -32,6 +33,8 @@ PARAM_RULES = (  # (regex on the parameter's path, mesh axis per dimension)
     (r"(^|/)(qkv|gate_up)$", (None, TENSOR)),
     (r"(^|/)(o|down)$", (TENSOR, None)),
     (r"(^|/)qkv_bias$", (TENSOR,)),
+    (r"(^|/)(q|q_b|kv_b)$", (None, TENSOR)),  # MLA: per-head columns
+    (r"(^|/)(q_a|kv_a)$", None),  # MLA: the shared down-projections
     (r"norm$", None),  # every norm: replicated
 )
 
