@@ -153,3 +153,49 @@ def test_kvzip_jax_convert_round_trips_a_saved_deepseek_folder(tmp_path):
     tokens = _tokens(cfg, 1, 12, seed=5)
     want = gen.prefill(jax.tree.map(jnp.asarray, params), cfg, tokens)[0]
     np.testing.assert_array_equal(np.asarray(gen.prefill(loaded.params, loaded.cfg, tokens)[0]), np.asarray(want))
+
+
+def _reread(cfg, prefix: int, context: np.ndarray, prompt: int = 6):
+    """One-chunk reread inputs over rows [prefix | context]: [random prompt | the context] (KVzip's layout, the
+    prompt standing in for its instruction and anchor), as kvzip.reread_inputs lays them out."""
+    from kvzip_jax.kvzip.scoring import RereadInputs
+
+    B, n = context.shape
+    tokens = np.concatenate([_tokens(cfg, B, prompt, seed=9), context], axis=1)  # [B, prompt + n]
+    width = -(-tokens.shape[1] // 64) * 64
+    padded = np.zeros((1, B, width), np.int32)
+    padded[0, :, :tokens.shape[1]] = tokens
+    full = lambda value: jnp.full((1, B), value, jnp.int32)
+    return RereadInputs(tokens=jnp.asarray(padded), num_valid=full(tokens.shape[1]), chunk_start=full(prefix),
+                        chunk_len=full(n), prefix_len=jnp.full((B,), prefix, jnp.int32),
+                        context_len=jnp.full((B,), n, jnp.int32), chunk_size=64), tokens
+
+
+def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rereads_softmax(tiny):
+    """Per layer and cached context token: the largest attention weight any head gives it from any reread row, read
+    from transformers' own eager attention over [cache | reread] (1e-5); budgets exact per layer and token; the
+    ragged latent cache at 0.3 holds at most 0.32x the full one's bytes."""
+    from kvzip_jax import kvzip
+    from kvzip_jax.kvzip.eviction import keep_mask
+
+    model, cfg, params = tiny
+    prefix, n = 4, 40
+    rows = _tokens(cfg, 2, prefix + n, seed=6)
+    _, cache = gen.prefill(params, cfg, rows, capacity=256)
+    reread, tokens = _reread(cfg, prefix, rows[:, prefix:])
+    scores = np.asarray(jax.jit(kvzip.score)(params, cfg, cache, reread))  # [L, B, 1, n]
+    with torch.no_grad():
+        past = model(torch.tensor(rows, dtype=torch.long), use_cache=True).past_key_values
+        weights = model(torch.tensor(tokens, dtype=torch.long), past_key_values=past, use_cache=True,
+                        output_attentions=True).attentions  # per layer [B, N, T, cache + T]
+    want = np.stack([w.numpy()[:, :, :, prefix:prefix + n].max(axis=(1, 2)) for w in weights])[:, :, None]
+    np.testing.assert_allclose(scores[..., :n], want, atol=1e-5, rtol=0)
+
+    keep = keep_mask(jnp.asarray(scores), jnp.full((2,), n), 0.3)  # [L, B, 1, n]
+    assert (np.asarray(keep[..., :n]).sum(axis=(0, 2, 3)) == int(0.3 * cfg.num_layers * n)).all()
+    masked = kv.mask_context(cache, keep, jnp.full((2,), prefix), jnp.full((2,), n))
+    full_bytes = kv.used_bytes(cache)
+    ragged = kv.pack(masked, 0)
+    context_share = (kv.used_bytes(ragged) - 2 * cfg.num_layers * prefix * (8 + 32) * 4) / (
+        full_bytes - 2 * cfg.num_layers * prefix * (8 + 32) * 4)
+    assert context_share <= 0.32 and kv.nbytes(ragged) < kv.nbytes(cache)

@@ -88,7 +88,7 @@ class RereadObserver:
             chunk_k = slot_columns(view.k, self.chunk_start, m, axis=2)  # [B, K, m, H]
             return score_max(qm.reshape(B, K, G * T, H).astype(dtype), chunk_k.astype(dtype),
                              bias.reshape(B, K, G * T), exp=self.variant == "softmax", impl=self.impl)  # [B, K, m]
-        o_proj = view.o_proj.reshape(K, G, H, -1).astype(jnp.float32)  # [K, G, H, D]
+        o_proj = view.o_proj.reshape(K, G, -1, view.o_proj.shape[-1]).astype(jnp.float32)  # [K, G, Hv, D]
 
         def block_scores(kb, vb):  # keys, values [B, K, S, H] -> [B, K, S]
             stat = jnp.einsum("BKGTH,BKSH->BKGTS", qm, kb) + bias[..., None]  # logits + row offsets
@@ -99,7 +99,7 @@ class RereadObserver:
             if self.variant == "softmax":
                 stat = jnp.exp(stat)  # attention weights over the scoring key set, / |h|
             # |W_O v| >= 0 scales after the max over rows.
-            stat = stat * jnp.linalg.norm(jnp.einsum("BKSH,KGHD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
+            stat = stat * jnp.linalg.norm(jnp.einsum("BKSV,KGVD->BKGSD", vb, o_proj), axis=-1)  # [B, K, G, S]
             return stat.max(axis=2)
 
         def block(start, size):  # [B, K, size] scores of the chunk's keys [start, start + size)

@@ -59,10 +59,15 @@ def attend(p, cfg: ModelConfig, q_nope, q_rope, layer_cache, query_slots, window
     w_uk, w_uv = up_projections(p, cfg)
     if cfg.mla_form == "naive":
         return _naive(cfg, q_nope, q_rope, w_uk, w_uv, layer_cache, query_slots, window)
-    q_latent = jnp.einsum("BTNd,RNd->BTNR", q_nope, w_uk.astype(jnp.float32))  # W_UK folded into the query
-    q = jnp.concatenate([q_latent, q_rope], axis=-1)[:, :, None]  # [B, T, 1, N, R + dr]
+    q = absorbed_query(q_nope, q_rope, w_uk)
     u = _latent_attention(q, layer_cache, query_slots, window, cfg.query_scale)[:, :, 0]  # [B, T, N, R]
     return jnp.einsum("BTNR,RNv->BTNv", u.astype(jnp.float32), w_uv.astype(jnp.float32))
+
+
+def absorbed_query(q_nope, q_rope, w_uk) -> jax.Array:
+    """[B, T, 1, N, R + dr]: each head's query against keys [latent | RoPE key], W_UK folded into its nope part."""
+    q_latent = jnp.einsum("BTNd,RNd->BTNR", q_nope, w_uk.astype(jnp.float32))
+    return jnp.concatenate([q_latent, q_rope], axis=-1)[:, :, None]
 
 
 def _latent_attention(q, layer_cache, query_slots, window, scale: float):

@@ -8,6 +8,7 @@ G query heads per KV head, H head dim, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -97,14 +98,27 @@ class Block(nn.Module):
         """Multi-head latent attention (models/mla.py): _heads' triple; the cache's pair is (RoPE key, latent)."""
         cfg = self.cfg
         B, T, _ = h.shape
-        if self.observer is not None:
-            raise NotImplementedError("observers (KVzip scoring, the baselines, Attention Matching) do not read MLA "
-                                      "layers yet")
         q_nope, q_rope, c, k_rope = mla.project(p, cfg, self.index, h, positions)
+        o_proj = p("o")  # [N dv, D]
         query_slots = layer_cache.lengths[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, 1, T]
-        layer_cache = _write(layer_cache, k_rope[:, None], c[:, None], num_new)  # [B, 1, T, dr], [B, 1, T, R]
-        out = mla.attend(p, cfg, q_nope, q_rope, layer_cache, query_slots, cfg.window_for(self.index))
-        return layers.linear(out.reshape(B, T, -1), p("o")), layer_cache, None
+        window = cfg.window_for(self.index)
+        k_new, v_new = k_rope[:, None], c[:, None]  # [B, 1, T, dr], [B, 1, T, R]
+        if self.observer is None:
+            layer_cache = _write(layer_cache, k_new, v_new, num_new)
+            out, observed = mla.attend(p, cfg, q_nope, q_rope, layer_cache, query_slots, window), None
+        else:  # the absorbed form shown to the observer as one KV head of N queries, keys [latent | RoPE key]
+            if not isinstance(layer_cache, kv.LayerCache):
+                raise ValueError("observers read dense caches; a ragged or quantized cache cannot be observed")
+            w_uk, w_uv = mla.up_projections(p, cfg)
+            q = mla.absorbed_query(q_nope, q_rope, w_uk)  # [B, T, 1, N, R + dr]
+            latent_o = jnp.einsum("RNv,NvD->NRD", w_uv.astype(jnp.float32),  # W_UV then o, per head: [N, R, D]
+                                  o_proj.reshape(cfg.num_heads, cfg.mla.v_head_dim, -1).astype(jnp.float32))
+            keys = dataclasses.replace(layer_cache, k=jnp.concatenate([layer_cache.v, layer_cache.k], axis=-1))
+            u, observed = self._observe(q, h, keys, jnp.concatenate([v_new, k_new], axis=-1), v_new, query_slots,
+                                        window, latent_o.reshape(-1, latent_o.shape[-1]))
+            out = jnp.einsum("BTNR,RNv->BTNv", u[:, :, 0].astype(jnp.float32), w_uv.astype(jnp.float32))
+            layer_cache = _write(layer_cache, k_new, v_new, num_new)
+        return layers.linear(out.reshape(B, T, -1), o_proj), layer_cache, observed
 
     def _attend_written(self, q, layer_cache, query_slots, window):
         """Attention over a cache that already holds this step's keys -> out [B, T, K, G, H]."""
