@@ -37,7 +37,7 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip
-from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.config import MLASpec, ModelConfig, RopeSpec
 from kvzip_jax.errors import ModelFileError
 from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
 from kvzip_jax.models import attention
@@ -57,13 +57,23 @@ SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, n
 QWEN_05B = ModelConfig(architecture="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
                        num_kv_heads=2, head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, max_position=32768,
                        rope=RopeSpec(1000000.0), qkv_bias=True)
+# DeepSeek-V2-Lite's attention (MLA: 16 heads, latent 512, RoPE key 64, nope 128, value 128, no query
+# down-projection) and dense MLP width; its YaRN RoPE is replaced by plain RoPE (timing only: random weights).
+DEEPSEEK_V2_LITE = ModelConfig(architecture="deepseek", vocab_size=102400, hidden_size=2048, num_layers=27,
+                               num_heads=16, num_kv_heads=1, head_dim=64, intermediate_size=10944, rms_norm_eps=1e-6,
+                               max_position=163840, rope=RopeSpec(10000.0), tie_embeddings=False,
+                               mla=MLASpec(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                                           qk_rope_head_dim=64, v_head_dim=128), query_scale=192**-0.5)
 # (name, config, batch, context tokens) of random-weight cases, most important first; 124K = 126,976 tokens, the
 # paper's LLaMA3.1-8B setting.
 CASES = [("llama3.1-8b", LLAMA_8B, 1, (126976, 32768)), ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),
-         ("qwen2.5-0.5b", QWEN_05B, 8, (4096, 32768))]
+         ("qwen2.5-0.5b", QWEN_05B, 8, (4096, 32768)), ("deepseek-v2-lite-mla", DEEPSEEK_V2_LITE, 4, (32768,))]
 SMOKE = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, max_position=4096, rope=RopeSpec(10000.0))
-SMOKE_CASES = [("smoke", SMOKE, 2, (192,))]
+SMOKE_MLA = dataclasses.replace(SMOKE, architecture="deepseek", num_kv_heads=1, head_dim=16, query_scale=48**-0.5,
+                                mla=MLASpec(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                            v_head_dim=16))
+SMOKE_CASES = [("smoke", SMOKE, 2, (192,)), ("smoke-mla", SMOKE_MLA, 2, (192,))]
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, dense bf16 FLOP/s
 RATIO = 0.3
 KV_BITS = (8, 4)  # the ragged cache's kept pairs quantized (groups of 64, bf16 scales)
@@ -122,13 +132,14 @@ def timed(fn, repeats: int = 3) -> float:
 def synthetic_cache(cfg: ModelConfig, batch: int, tokens: int, dtype, seed: int = 0) -> kv.KVCache:
     """A dense cache holding `tokens` random keys/values per head, with room for decode steps."""
     capacity = gen.capacity_for(tokens + 64, cfg)
-    shape = (batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    shape = lambda width: (batch, cfg.num_kv_heads, capacity, width)
+    k_width, v_width = cfg.cache_widths()  # an MLA cache: the RoPE key and the latent
     key = jax.random.key(seed)
     layers = []
     for i in range(cfg.num_layers):
         kk, kv_ = jax.random.split(jax.random.fold_in(key, i))
-        layers.append(kv.LayerCache(k=jax.random.normal(kk, shape, jnp.float32).astype(dtype),
-                                    v=jax.random.normal(kv_, shape, jnp.float32).astype(dtype),
+        layers.append(kv.LayerCache(k=jax.random.normal(kk, shape(k_width), jnp.float32).astype(dtype),
+                                    v=jax.random.normal(kv_, shape(v_width), jnp.float32).astype(dtype),
                                     lengths=jnp.full((batch, cfg.num_kv_heads), tokens, jnp.int32)))
     return kv.KVCache(layers=tuple(layers), next_position=jnp.full((batch,), tokens, jnp.int32))
 
@@ -145,8 +156,12 @@ def compressed(cfg: ModelConfig, cache: kv.KVCache, tokens: int, seed: int = 1):
 
 
 def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
-    """Seconds of one decode step's attention over every layer's cache (no projections, no MLP)."""
+    """Seconds of one decode step's attention over every layer's cache (no projections, no MLP). MLA: the absorbed
+    form (queries as wide as [latent | RoPE key]) through the XLA paths under either impl (no MLA kernel yet)."""
     B, K, G, H = cache.batch_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
+    latent = cfg.mla is not None
+    if latent:
+        H, impl = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim, "xla"
     first = cache.layers[0]
     dtype = (first.window if isinstance(first, kv.QuantizedLayerCache) else first).k.dtype  # the model's dtype
     q = jax.random.normal(jax.random.key(3), (B, 1, K, G, H), jnp.float32).astype(dtype)
@@ -172,10 +187,11 @@ def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
                 slots = layer.lengths[:, :, None] - 1  # [B, K, 1] the query sits at the last filled slot
                 if isinstance(layer, kv.RaggedLayerCache):
                     out, _, _ = attention.ragged_attention(q, layer.k, layer.v, layer.offsets, layer.lengths, None,
-                                                           None, slots, None, cfg.query_scale, layer.block)
+                                                           None, slots, None, cfg.query_scale, layer.block,
+                                                           latent_keys=latent)
                 else:
                     out, _, _ = attention.blocked_attention(q, layer.k, layer.v, layer.lengths, None, None, slots,
-                                                            None, cfg.query_scale, layer.keep)
+                                                            None, cfg.query_scale, layer.keep, latent_keys=latent)
             total = total + out.astype(jnp.float32).sum()
         return total
 

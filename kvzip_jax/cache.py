@@ -236,14 +236,14 @@ def _write_quantized(layer: QuantizedLayerCache, k_new, v_new, num_new) -> Quant
     total = both.lengths  # [B, K] rows of [window | new]
     flushed = jnp.where(total > R, (total - 1) // R * R, 0)  # [B, K] a multiple of R
     stored = jnp.minimum(flushed, _room(store))  # rows past the store's room are dropped (callers check room())
-    fmt = store.k.format
     if isinstance(store, RaggedLayerCache):
         put = lambda old, new: jax.tree.map(
             lambda o, n: _put_ragged(o, n, store.offsets + store.lengths, stored), old, new)
     else:
         put = lambda old, new: jax.tree.map(lambda o, n: _write_dense(o, n, store.lengths, stored), old, new)
-    store = dataclasses.replace(store, k=put(store.k, quant.quantize(both.k, fmt)),
-                                v=put(store.v, quant.quantize(both.v, fmt)), lengths=store.lengths + stored)
+    store = dataclasses.replace(store, k=put(store.k, quant.quantize(both.k, store.k.format)),  # (MLA: k and v
+                                v=put(store.v, quant.quantize(both.v, store.v.format)),  # differ in width)
+                                lengths=store.lengths + stored)
     rest = jnp.minimum(flushed[..., None] + jnp.arange(R), R + T - 1)  # [B, K, R] rows left in the window
     keep = lambda x: jnp.take_along_axis(x, rest[..., None], axis=2)
     return QuantizedLayerCache(store=store, window=LayerCache(k=keep(both.k), v=keep(both.v), lengths=total - flushed))

@@ -1,4 +1,5 @@
-"""Matmul FLOP counts of the decoder, to turn measured times into achieved GFLOP/s."""
+"""Matmul FLOP counts of the decoder, to turn measured times into achieved GFLOP/s. MLA layers count the absorbed
+form (models/mla.py): per head, q.k over [latent | RoPE key] and p.v over the latent, W_UK and W_UV per token."""
 
 from kvzip_jax.config import ModelConfig
 
@@ -7,7 +8,22 @@ def linear_flops_per_token(cfg: ModelConfig) -> int:
     """2 x multiply-adds of the q/k/v/o projections and the MLP, per token per model (no LM head)."""
     D, F, H, N, K = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F
+    if cfg.mla is not None:
+        m = cfg.mla
+        q = D * N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        if m.q_lora_rank is not None:
+            q = D * m.q_lora_rank + m.q_lora_rank * N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        per_layer = (q + D * (m.kv_lora_rank + m.qk_rope_head_dim)
+                     + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)  # W_UK into q, W_UV after
+                     + N * m.v_head_dim * D + 3 * D * F)
     return 2 * per_layer * cfg.num_layers
+
+
+def attention_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """Per head and key: the widths of q.k and of p.v ((H, H); MLA absorbed: (R + dr, R))."""
+    if cfg.mla is not None:
+        return cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim, cfg.mla.kv_lora_rank
+    return cfg.head_dim, cfg.head_dim
 
 
 def attention_flops(cfg: ModelConfig, num_queries: int, keys_before: int = 0) -> int:
@@ -22,7 +38,7 @@ def attention_flops(cfg: ModelConfig, num_queries: int, keys_before: int = 0) ->
         for t in range(num_queries):
             visible = keys_before + t + 1
             pairs += min(visible, window) if window else visible
-        total += 2 * 2 * pairs * cfg.head_dim * cfg.num_heads
+        total += 2 * pairs * sum(attention_widths(cfg)) * cfg.num_heads
     return total
 
 
@@ -41,12 +57,14 @@ def kvzip_scoring_flops(cfg: ModelConfig, cached: int, reread_lengths: list[int]
     layer the chunk's scores then need q.k over its chunk_lengths[t] keys once more (no [reread x keys] array is
     kept); their softmax normaliser comes from the forward's attention.
     """
-    D, F, H, N = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads
-    last_layer_tail = 2 * (N * H * D + 3 * D * F)
+    D, F, N = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads
+    qk, pv = attention_widths(cfg)
+    out_width = cfg.mla.v_head_dim if cfg.mla is not None else cfg.head_dim
+    last_layer_tail = 2 * (N * out_width * D + 3 * D * F)
     total = 0
     for w, chunk in zip(reread_lengths, chunk_lengths):
         total += (linear_flops_per_token(cfg) - last_layer_tail) * w
         total += attention_flops(cfg, w, cached)
-        total -= 2 * (cached * w + w * (w + 1) // 2) * H * N  # the last layer's p.v
-        total += scored_layers * 2 * chunk * w * H * N
+        total -= 2 * (cached * w + w * (w + 1) // 2) * pv * N  # the last layer's p.v
+        total += scored_layers * 2 * chunk * w * qk * N
     return total
