@@ -225,3 +225,11 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     assert rows["full", 1.0]["n"] == sum(len(ex.questions) for ex in examples())
     assert rows["kvzip", 0.2]["bytes_share"] < rows["full", 1.0]["bytes_share"] == 100.0
     assert rows["kvzip+int4", 0.2]["bytes_share"] < rows["kvzip", 0.2]["bytes_share"]
+
+
+def test_head_level_kvzip_is_a_named_error_on_mla(tiny):
+    from kvzip_jax.kvzip.head_level import HeadScoresError, context_head_scores
+
+    _, cfg, params = tiny
+    with pytest.raises(HeadScoresError, match="does not apply to multi-head latent attention"):
+        context_head_scores(params, cfg, _tokens(cfg, 1, 20)[0], None)

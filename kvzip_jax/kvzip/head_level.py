@@ -87,9 +87,18 @@ def head_scores(params, cfg: ModelConfig, tokenizer, text: str, max_tokens: int 
     return context_head_scores(params, cfg, tokens, reread)
 
 
+def check_heads(cfg: ModelConfig) -> None:
+    """HeadScoresError for a model whose layers cache no per-head pairs (MLA: one latent row per token for every
+    head), where dropping a KV head would drop the layer."""
+    if cfg.mla is not None:
+        raise HeadScoresError("head-level KVzip does not apply to multi-head latent attention: every head reads the "
+                              "same latent row; use --level pair, pair-uniform or layer")
+
+
 def context_head_scores(params, cfg: ModelConfig, tokens: np.ndarray, reread: RereadInputs) -> np.ndarray:
     """[L, K] float32: the max over the context of kvzip.score for one row tokens [prefix | context] and its reread
     inputs; +inf in the layers outside evictable_layers(cfg), so they are never dropped."""
+    check_heads(cfg)
     capacity = -(-len(tokens) // 256) * 256
     _, cache = gen.prefill(params, cfg, [tokens], capacity=capacity)
     scores = jax.jit(score)(params, cfg, cache, reread)  # [L, 1, K, n], -inf past the context
@@ -152,8 +161,11 @@ def save_head_scores(path: str | Path, scores, meta: dict | None = None) -> Path
 def load_head_scores(path: str | Path, cfg: ModelConfig | None = None) -> np.ndarray:
     """Head scores [L, K] float32 (null read as +inf) from a checkpoint folder or a .json file.
 
-    Raises HeadScoresError when the file is missing or malformed, or (given cfg) does not fit the model.
+    Raises HeadScoresError when the file is missing or malformed, or (given cfg) does not fit the model or the model
+    has no per-head pairs (check_heads).
     """
+    if cfg is not None:
+        check_heads(cfg)
     target = scores_file(path)
     try:
         record = json.loads(target.read_text())
