@@ -227,9 +227,15 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     assert rows["kvzip+int4", 0.2]["bytes_share"] < rows["kvzip", 0.2]["bytes_share"]
 
 
-def test_head_level_kvzip_is_a_named_error_on_mla(tiny):
+def test_head_level_kvzip_and_attention_matching_are_named_errors_on_mla(tiny):
+    from kvzip_jax import matching
     from kvzip_jax.kvzip.head_level import HeadScoresError, context_head_scores
 
     _, cfg, params = tiny
     with pytest.raises(HeadScoresError, match="does not apply to multi-head latent attention"):
         context_head_scores(params, cfg, _tokens(cfg, 1, 20)[0], None)
+    rows = _tokens(cfg, 1, 24)
+    _, cache = gen.prefill(params, cfg, rows, capacity=64)
+    reread, _ = _reread(cfg, 4, rows[:, 4:])
+    with pytest.raises(UnsupportedArchitectureError, match="Attention Matching does not fit"):
+        matching.compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=0.3))
