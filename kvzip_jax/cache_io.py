@@ -181,8 +181,8 @@ def _layer_layout(layer) -> dict:
         fmt = layer.store.k.format
         store = RAGGED if isinstance(layer.store, kv.RaggedLayerCache) else DENSE
         return {"kind": QUANTIZED, "store": store, "block": getattr(layer.store, "block", None), "bits": fmt.bits,
-                "group": fmt.group, "scale_dtype": fmt.scale_dtype, "window": layer.window.capacity,
-                "fields": fields}
+                "group": fmt.group, "v_group": layer.store.v.format.group,  # they differ where k and v do (MLA)
+                "scale_dtype": fmt.scale_dtype, "window": layer.window.capacity, "fields": fields}
     if isinstance(layer, kv.RaggedLayerCache):
         return {"kind": RAGGED, "block": layer.block, "fields": fields}
     return {"kind": DENSE, "fields": fields}
