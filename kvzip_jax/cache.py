@@ -261,12 +261,13 @@ def used_bytes(cache: KVCache) -> int:
     return int(row_bytes(cache).sum())
 
 
-def row_bytes(cache: KVCache) -> np.ndarray:
-    """[B] used_bytes of each batch row."""
+def row_bytes(cache: KVCache, to_host=np.asarray) -> np.ndarray:
+    """[B] used_bytes of each batch row. to_host: fetches a device array (a multi-process run passes one that
+    gathers the other processes' shards)."""
     total = np.zeros(cache.batch_size, np.int64)
-    for layer, kept in zip(cache.layers, np.asarray(kept_per_head(cache)).sum(axis=2)):  # kept [B]
+    for layer, kept in zip(cache.layers, to_host(kept_per_head(cache)).sum(axis=2)):  # kept [B]
         if isinstance(layer, QuantizedLayerCache):
-            window = np.asarray(layer.window.lengths).sum(axis=1)  # [B]
+            window = to_host(layer.window.lengths).sum(axis=1)  # [B]
             total += window * pair_bytes(layer.window) + (kept - window) * pair_bytes(layer.store)
         else:
             total += kept * pair_bytes(layer)

@@ -335,7 +335,8 @@ class Sweep:
 
         start = time.perf_counter()
         full = self._full_answers(batch, cache)
-        self._record(batch, (FULL, FULL, 1.0, 16), full, full, time.perf_counter() - start, kv.row_bytes(cache))
+        self._record(batch, (FULL, FULL, 1.0, 16), full, full, time.perf_counter() - start,
+                     kv.row_bytes(cache, placement.to_host))
         for bits in self.config.kv_bits:
             if bits != 16 and self.pending(batch, FULL, FULL, 1.0, bits):  # quantization alone
                 self._answer_quantized(batch, (FULL, FULL, 1.0, bits), cache, range(batch.num_questions), full)
@@ -381,7 +382,7 @@ class Sweep:
                             else:
                                 got = self._compressed_answers(batch, masked, asked, full)
                             self._record(batch, (*key, 16), got, full, time.perf_counter() - start,
-                                         kv.row_bytes(masked))
+                                         kv.row_bytes(masked, placement.to_host))
                         for bits in self.config.kv_bits:
                             if bits != 16 and self.pending(batch, *key, bits):
                                 self._answer_quantized(batch, (*key, bits), masked, asked, full)
@@ -404,7 +405,8 @@ class Sweep:
         start = time.perf_counter()
         quantized = kv.quantized(cache, self.config.kv_format(key[-1]), self.config.kv_window)
         got = self._compressed_answers(batch, quantized, asked, full)
-        self._record(batch, key, got, full, time.perf_counter() - start, kv.row_bytes(quantized))
+        self._record(batch, key, got, full, time.perf_counter() - start,
+                     kv.row_bytes(quantized, placement.to_host))
 
     def _row_keys(self, batch: Batch) -> jax.Array:
         """One PRNG key per row from the seed and the example id: random scores independent of the batching."""
@@ -453,7 +455,8 @@ class Sweep:
                 records.append(dict(
                     config=self.fingerprint, example_hash=example_hash(ex), versions=VERSIONS,
                     model=self.model.name, task=ex.task, example=ex.id, question=i, method=method, mode=mode,
-                    ratio=ratio, kv_bits=bits, bytes=int(row_bytes[b]), prediction=prediction, references=list(ex.answers[i]), metric=ex.metric,
+                    ratio=ratio, kv_bits=bits, bytes=int(row_bytes[b]), prediction=prediction,
+                    references=list(ex.answers[i]), metric=ex.metric,
                     score=metrics.score(ex.metric, prediction, ex.answers[i]),
                     agree=prediction == text(full[i]["tokens"][b]), kl=float(got[i]["kl"][b]),
                     flip=float(got[i]["flip"][b]), seconds=0.0))
