@@ -74,7 +74,8 @@ def save(directory: str | Path, cache: kv.KVCache, model, meta: dict | None = No
     arrays = {jax.tree_util.keystr(path): _sha256(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
     quantized = any(isinstance(layer, kv.QuantizedLayerCache) for layer in cache.layers)
     manifest = {
-        "format": FORMAT, "layout_version": LAYOUT_VERSION if quantized else 1, "kvzip_jax": package_version("kvzip-jax"),
+        "format": FORMAT, "layout_version": LAYOUT_VERSION if quantized else 1,
+        "kvzip_jax": package_version("kvzip-jax"),
         "model": {"name": model.name, **model_identity(model.cfg, model.params)},
         "tokenizer": tokenizer_hash(model.tokenizer), "dtype": np.dtype(dtypes.of_params(model.params)).name,
         "batch_size": cache.batch_size, "next_position": np.asarray(cache.next_position).tolist(),

@@ -19,7 +19,8 @@ from kvzip_jax.models.transformer import forward
 from kvzip_jax.quant.groups import QuantFormat
 from kvzip_jax.weights.hf import params_from_hf
 
-TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4,
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
             first_k_dense_replace=2, n_routed_experts=4, attn_implementation="eager")
 VARIANTS = {"q_lora": dict(q_lora_rank=24), "no_q_lora": dict(q_lora_rank=None),
@@ -35,14 +36,24 @@ def _tiny_hf_model(variant: str, seed: int = 0):
     return model
 
 
-@pytest.fixture(scope="module", params=sorted(VARIANTS))
-def tiny(request, tmp_path_factory):
-    """(transformers model, our config, our params) converted through an HF safetensors folder."""
-    model = _tiny_hf_model(request.param)
-    folder = tmp_path_factory.mktemp(request.param)
+def _converted(variant: str, tmp_path_factory):
+    model = _tiny_hf_model(variant)
+    folder = tmp_path_factory.mktemp(variant)
     model.save_pretrained(folder)
     cfg, params = params_from_hf(folder)
     return model, cfg, jax.tree.map(jnp.asarray, params)
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request, tmp_path_factory):
+    """(transformers model, our config, our params) converted through an HF safetensors folder, every variant."""
+    return _converted(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory):
+    """tiny's q_lora variant alone: for what the variants do not change (the cache forms, scoring, errors)."""
+    return _converted("q_lora", tmp_path_factory)
 
 
 def _tokens(cfg, batch, length, seed=1):
@@ -101,10 +112,10 @@ def test_the_absorbed_form_equals_the_naive_one(tiny):
     np.testing.assert_allclose(np.asarray(step(masked, cfg)), np.asarray(step(masked, naive)), atol=1e-5, rtol=0)
 
 
-def test_every_cache_form_holds_latents(tiny):
+def test_every_cache_form_holds_latents(one):
     """Masked, ragged (one segment per layer: the latent is one 'KV head') and quantized MLA caches answer as the
     dense one does: greedy tokens equal; the ragged and int8 ones with logits within 1e-4 and 5e-2."""
-    _, cfg, params = tiny
+    _, cfg, params = one
     tokens = _tokens(cfg, 1, 24, seed=3)
     logits, dense = gen.prefill(params, cfg, tokens, capacity=64)
     everything = jnp.ones((1, 1, 64), bool)
@@ -171,14 +182,14 @@ def _reread(cfg, prefix: int, context: np.ndarray, prompt: int = 6):
                         context_len=jnp.full((B,), n, jnp.int32), chunk_size=64), tokens
 
 
-def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rereads_softmax(tiny):
+def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rereads_softmax(one):
     """Per layer and cached context token: the largest attention weight any head gives it from any reread row, read
     from transformers' own eager attention over [cache | reread] (1e-5); budgets exact per layer and token; the
     ragged latent cache at 0.3 holds at most 0.32x the full one's bytes."""
     from kvzip_jax import kvzip
     from kvzip_jax.kvzip.eviction import keep_mask
 
-    model, cfg, params = tiny
+    model, cfg, params = one
     prefix, n = 4, 40
     rows = _tokens(cfg, 2, prefix + n, seed=6)
     _, cache = gen.prefill(params, cfg, rows, capacity=256)
@@ -201,6 +212,7 @@ def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rer
     assert context_share <= 0.32 and kv.nbytes(ragged) < kv.nbytes(cache)
 
 
+@pytest.mark.extended  # its parts run by default: KVzip scores, every cache form (here), kv bits (test_eval_sweep)
 def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     """KVzip over a tiny random MLA model through the sweep, int4 too: every answer recorded, the report's tables
     and plots written, the kept latents' bytes falling with the ratio and the bits."""
@@ -227,11 +239,11 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     assert rows["kvzip+int4", 0.2]["bytes_share"] < rows["kvzip", 0.2]["bytes_share"]
 
 
-def test_head_level_kvzip_and_attention_matching_are_named_errors_on_mla(tiny):
+def test_head_level_kvzip_and_attention_matching_are_named_errors_on_mla(one):
     from kvzip_jax import matching
     from kvzip_jax.kvzip.head_level import HeadScoresError, context_head_scores
 
-    _, cfg, params = tiny
+    _, cfg, params = one
     with pytest.raises(HeadScoresError, match="does not apply to multi-head latent attention"):
         context_head_scores(params, cfg, _tokens(cfg, 1, 20)[0], None)
     rows = _tokens(cfg, 1, 24)

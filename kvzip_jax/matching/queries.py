@@ -125,8 +125,9 @@ def reference_passes(cfg: ModelConfig, cache: kv.KVCache, reread: scoring.Reread
     sources and their passes); with_scores: repeat passes carry KVzip's scorer. reread: None with self-study only.
     An MLA model (cfg.mla) is refused: its fit would share one latent value per kept token across heads."""
     if cfg.mla is not None:
-        raise UnsupportedArchitectureError("Attention Matching does not fit multi-head latent attention layers yet (one latent "
-                                  "value per kept token, shared by the heads); use KVzip or a baseline")
+        raise UnsupportedArchitectureError("Attention Matching does not fit multi-head latent attention layers yet "
+                                           "(one latent value per kept token, shared by the heads); use KVzip or a "
+                                           "baseline")
     unknown = sorted(set(sources) - set(SOURCES))
     if unknown or not sources:
         raise ValueError(f"sources must be among {SOURCES}, got {sources}")

@@ -127,8 +127,8 @@ class Block(nn.Module):
         if split is not None:  # slots over the mesh's seq axis: per shard, merged through the log-sum-exp
             return merged_attention(q, layer_cache, query_slots, window, scale, split)[0]
         if isinstance(layer_cache, kv.QuantizedLayerCache):
-            return _quantized_attention(q, layer_cache, query_slots, window, scale,
-                                        self.cfg.attention_impl if _decode_kernel_applies(self.cfg, q, window) else None)
+            kernel = self.cfg.attention_impl if _decode_kernel_applies(self.cfg, q, window) else None
+            return _quantized_attention(q, layer_cache, query_slots, window, scale, kernel)
         if _decode_kernel_applies(self.cfg, q, window):
             return _decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
         if isinstance(layer_cache, kv.RaggedLayerCache):
