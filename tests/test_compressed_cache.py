@@ -48,12 +48,19 @@ def test_ragged_decoding_equals_masked_decoding(level):
     ragged = kv.pack(masked, 8)
     assert kv.nbytes(ragged) < kv.nbytes(masked) / 2
     assert np.array_equal(np.asarray(kv.kept_per_head(ragged)), np.asarray(kv.kept_per_head(masked)))
-    logits_m, masked = gen.prefill(PARAMS, CFG, [QUESTION], masked)
-    logits_r, ragged = gen.prefill(PARAMS, CFG, [QUESTION], ragged)
-    np.testing.assert_allclose(np.asarray(logits_r), np.asarray(logits_m), atol=1e-4, rtol=0)
-    out_m, _ = gen.decode(PARAMS, CFG, logits_m, masked, 8)
-    out_r, _ = gen.decode(PARAMS, CFG, logits_r, ragged, 8)
-    assert out_m == out_r
+    answer_alike(ragged, masked, 8, atol=1e-4)
+
+
+def answer_alike(cache, reference, steps: int, atol: float):
+    """QUESTION's prefill logits over cache within atol of reference's, and the same `steps` greedy tokens after it.
+    Both caches are donated; returns cache after the answer."""
+    logits, cache = gen.prefill(PARAMS, CFG, [QUESTION], cache)
+    logits_ref, reference = gen.prefill(PARAMS, CFG, [QUESTION], reference)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(logits_ref), atol=atol, rtol=0)
+    tokens, cache = gen.decode(PARAMS, CFG, logits, cache, steps)
+    tokens_ref, _ = gen.decode(PARAMS, CFG, logits_ref, reference, steps)
+    assert tokens == tokens_ref
+    return cache
 
 
 def test_ragged_store_holds_each_heads_kept_pairs_plus_room_in_whole_blocks():

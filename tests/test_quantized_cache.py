@@ -15,7 +15,7 @@ from kvzip_jax.models import attention
 from kvzip_jax.models.params import init_params
 from kvzip_jax.models.transformer import _quantized_attention
 from kvzip_jax.quant import groups as quant
-from tests.test_compressed_cache import CFG, CONTEXT, PARAMS, QUESTION, SCORES, _context_cache, _masked
+from tests.test_compressed_cache import CFG, CONTEXT, PARAMS, QUESTION, SCORES, _context_cache, _masked, answer_alike
 
 FORMATS = [quant.QuantFormat(bits=8, group=8), quant.QuantFormat(bits=4, group=4, scale_dtype="float16")]
 copied = lambda tree: jax.tree.map(jnp.array, tree)
@@ -52,13 +52,7 @@ def test_every_form_attends_as_its_dequantized_twin(form, fmt):
     """A question and 6 greedy tokens fit the window: logits within 1e-5 of the twin's and the same tokens (int8 and
     int4 on both store kinds: the attention test below covers each width on each)."""
     cache = kv.quantized(_form(form), fmt, window=16)
-    twin = copied(_dequantized_twin(cache))
-    logits_q, cache = gen.prefill(PARAMS, CFG, [QUESTION], cache)
-    logits_t, twin = gen.prefill(PARAMS, CFG, [QUESTION], twin)
-    np.testing.assert_allclose(np.asarray(logits_q), np.asarray(logits_t), atol=1e-5, rtol=0)
-    tokens_q, cache = gen.decode(PARAMS, CFG, logits_q, cache, 6)
-    tokens_t, _ = gen.decode(PARAMS, CFG, logits_t, twin, 6)
-    assert tokens_q == tokens_t
+    cache = answer_alike(cache, copied(_dequantized_twin(cache)), 6, atol=1e-5)
     assert int(cache.layers[0].window.lengths[0, 0]) == len(QUESTION) + 6  # nothing flushed
 
 

@@ -60,8 +60,12 @@ def attend(p, cfg: ModelConfig, q_nope, q_rope, layer_cache, query_slots, window
     if cfg.mla_form == "naive":
         return _naive(cfg, q_nope, q_rope, w_uk, w_uv, layer_cache, query_slots, window)
     q = absorbed_query(q_nope, q_rope, w_uk)
-    u = _latent_attention(q, layer_cache, query_slots, window, cfg.query_scale)[:, :, 0]  # [B, T, N, R]
-    return jnp.einsum("BTNR,RNv->BTNv", u.astype(jnp.float32), w_uv.astype(jnp.float32))
+    return head_outputs(_latent_attention(q, layer_cache, query_slots, window, cfg.query_scale), w_uv)
+
+
+def head_outputs(u, w_uv) -> jax.Array:
+    """Each head's output [B, T, N, dv] from its latent output u [B, T, 1, N, R]: W_UV applied after attention."""
+    return jnp.einsum("BTNR,RNv->BTNv", u[:, :, 0].astype(jnp.float32), w_uv.astype(jnp.float32))
 
 
 def absorbed_query(q_nope, q_rope, w_uk) -> jax.Array:

@@ -116,7 +116,7 @@ class Block(nn.Module):
             keys = dataclasses.replace(layer_cache, k=jnp.concatenate([layer_cache.v, layer_cache.k], axis=-1))
             u, observed = self._observe(q, h, keys, jnp.concatenate([v_new, k_new], axis=-1), v_new, query_slots,
                                         window, latent_o.reshape(-1, latent_o.shape[-1]))
-            out = jnp.einsum("BTNR,RNv->BTNv", u[:, :, 0].astype(jnp.float32), w_uv.astype(jnp.float32))
+            out = mla.head_outputs(u, w_uv)
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
         return layers.linear(out.reshape(B, T, -1), o_proj), layer_cache, observed
 
