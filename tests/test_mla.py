@@ -214,8 +214,8 @@ def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rer
 
 @pytest.mark.extended  # its parts run by default: KVzip scores, every cache form (here), kv bits (test_eval_sweep)
 def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
-    """KVzip over a tiny random MLA model through the sweep, int4 too: every answer recorded, the report's tables
-    and plots written, the kept latents' bytes falling with the ratio and the bits."""
+    """KVzip and Attention Matching over a tiny random MLA model through the sweep, int4 too: every answer recorded,
+    the report's tables and plots written, the kept latents' bytes falling with the ratio and the bits."""
     from kvzip_jax.eval import report
     from kvzip_jax.eval import sweep as sw
     from kvzip_jax.models.params import init_params
@@ -228,7 +228,7 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     cfg = ModelConfig.from_hf(transformers.DeepseekV3Config(**TINY, **VARIANTS["q_lora"]).to_dict())
     cfg = dataclasses.replace(cfg, vocab_size=len(tok), max_position=2048, tie_embeddings=True)
     model = LoadedModel("tiny-mla", cfg, init_params(cfg, seed=0, scale=0.3), tok)
-    config = sw.SweepConfig(methods=("kvzip",), ratios=(0.2,), batch_size=3, kv_bits=(16, 4), kv_group=8)
+    config = sw.SweepConfig(methods=("kvzip", "am-hak"), ratios=(0.2,), batch_size=3, kv_bits=(16, 4), kv_group=8)
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
     written = report.write_report(path, tmp_path)
@@ -237,9 +237,10 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     assert rows["full", 1.0]["n"] == sum(len(ex.questions) for ex in examples())
     assert rows["kvzip", 0.2]["bytes_share"] < rows["full", 1.0]["bytes_share"] == 100.0
     assert rows["kvzip+int4", 0.2]["bytes_share"] < rows["kvzip", 0.2]["bytes_share"]
+    assert rows["am-hak", 0.2]["n"] == rows["full", 1.0]["n"] and rows["am-hak", 0.2]["bytes_share"] < 100.0
 
 
-def test_head_level_kvzip_and_attention_matching_are_named_errors_on_mla(one):
+def test_head_level_kvzip_and_refined_attention_matching_are_named_errors_on_mla(one):
     from kvzip_jax import matching
     from kvzip_jax.kvzip.head_level import HeadScoresError, context_head_scores
 
@@ -249,5 +250,53 @@ def test_head_level_kvzip_and_attention_matching_are_named_errors_on_mla(one):
     rows = _tokens(cfg, 1, 24)
     _, cache = gen.prefill(params, cfg, rows, capacity=64)
     reread, _ = _reread(cfg, 4, rows[:, 4:])
-    with pytest.raises(UnsupportedArchitectureError, match="Attention Matching does not fit"):
-        matching.compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=0.3))
+    with pytest.raises(ValueError, match="refine_steps must be 0 on multi-head latent attention"):
+        matching.compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=0.3, refine_steps=2))
+
+
+def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(one):
+    """AM on the latent cache, per layer: the reference queries are every head's absorbed ones. Keeping every token,
+    every head attends to new queries as before (1e-3, test_matching's bar). At 0.3 (HAK over the heads' pooled
+    attention; jit against eager is test_compact's, the code is the same) the kept latents are the cache's own with one bias each, and on
+    queries the fit never saw (a pass of random tokens) the heads' log-masses are far closer to the full context's
+    than evicting the same tokens gives (error ratio < 0.1 in every layer and row), their outputs closer over all
+    layers and rows together (the values are not refitted, so one layer and row of the four is 1.10x eviction's)."""
+    from kvzip_jax import matching
+    from kvzip_jax.matching.self_study import probes_from_rows
+
+    _, cfg, params = one
+    prefix, n, B = 4, 40, 2
+    rows = _tokens(cfg, B, prefix + n, seed=6)
+    _, cache = gen.prefill(params, cfg, rows, capacity=256)
+    reread, _ = _reread(cfg, prefix, rows[:, prefix:])
+    seen = matching.reference_queries(params, cfg, cache, reread)  # per layer [B, 1, N R, R + dr]
+    fresh_rows = [[_tokens(cfg, 1, 24, seed=20 + 2 * p + b)[0] for b in range(B)] for p in range(3)]
+    fresh = matching.reference_queries(params, cfg, cache, None, ("self-study",), probes=probes_from_rows(fresh_rows))
+    R, dr = cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
+    assert seen.q[0].shape[1] == 1 and seen.q[0].shape[-1] == R + dr
+
+    config = matching.MatchingConfig(ratio=0.3, budget="uniform")
+    compacted, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
+    context = slice(prefix, prefix + n)
+    output_errors = np.zeros(2)  # fitted, evicted
+    for i, (layer, before) in enumerate(zip(compacted.layers, cache.layers)):
+        keys = np.concatenate([np.asarray(before.v), np.asarray(before.k)], axis=-1)[:, 0, context]  # [B, n, R + dr]
+        latents = np.asarray(before.v)[:, 0, context]  # [B, n, R]
+        keep, bias = np.asarray(layer.keep)[:, 0, context], np.asarray(layer.bias)[:, 0, context]
+        np.testing.assert_array_equal(np.asarray(layer.v), np.asarray(before.v))  # values kept, not refitted
+        assert (keep.sum(axis=1) == np.asarray(counts)[i, :, 0]).all()
+        for b in range(B):
+            q_seen = seen.q[i][b, 0][np.asarray(seen.valid[b])]
+            q_new = fresh.q[i][b, 0][np.asarray(fresh.valid[b])]
+            want = matching.attend(q_new, keys[b], latents[b], cfg.query_scale)
+            _, beta, _ = matching.fit_head(q_seen, keys[b], latents[b], jnp.arange(n), cfg.query_scale,
+                                           fit_values=False)  # every token kept: attention as it was
+            for got, target in zip(matching.attend(q_new, keys[b], latents[b], cfg.query_scale, beta), want):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(target), atol=1e-3)  # as test_matching's
+            kept = keep[b]
+            fitted = matching.attend(q_new, keys[b][kept], latents[b][kept], cfg.query_scale, bias[b][kept])
+            evicted = matching.attend(q_new, keys[b][kept], latents[b][kept], cfg.query_scale)
+            error = lambda got, target: float(jnp.mean((got - target) ** 2))
+            output_errors += [error(fitted[0], want[0]), error(evicted[0], want[0])]
+            assert error(fitted[1], want[1]) < 0.1 * error(evicted[1], want[1]), (i, b)
+    assert output_errors[0] < output_errors[1]

@@ -13,6 +13,13 @@ Never compacted: the prefix before the context, anything after it, and sliding-w
 compacted before (dense, with a bias: kv.defragment of a compacted cache, as online.py makes) compacts again: every
 score and fit counts the bias its keys already carry, and a kept key's new bias includes it.
 
+Multi-head latent attention (cfg.mla): a layer's one "KV head" is the latent cache, the reference queries are the
+absorbed ones of all N heads ([W_UK q_nope | q_rope] against keys [latent | RoPE key]), so a kept token is chosen
+from every head's attention together (HAK's aggregate over all of their rows) and gets one bias fitted to all heads'
+masses (NNLS over their rows stacked, as a GQA group's heads share theirs). Its value is not refitted: the latent
+is the slot's key as well, so a fitted value would need a second latent per kept token (twice its bytes); the kept
+latents stay as they are, and refinement (which moves values) is refused.
+
 Budgets (budgets.py) are uniform, global, or a model's searched profile. `same_bytes` (default) counts the bias' 4 bytes
 per kept pair: a ratio keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at
 H = 64 in float32), so the compacted context pairs take about the bytes of the evicted ones at the same ratio (to within
@@ -182,7 +189,7 @@ def effective_ratio(config: MatchingConfig, cache: kv.KVCache) -> float:
     if not config.same_bytes or not config.fit_bias:
         return config.ratio
     layer = cache.layers[0]
-    pair = 2 * layer.k.shape[-1] * layer.k.dtype.itemsize
+    pair = (layer.k.shape[-1] + layer.v.shape[-1]) * layer.k.dtype.itemsize
     return config.ratio * pair / (pair + BIAS_BYTES)
 
 
@@ -198,7 +205,7 @@ def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadI
                                     config.needs_kvzip_scores, probes)
     if not config.on_policy:
         return compact_with(queries, cfg, cache, reread, config)
-    _check_compactable(cache, queries, config)
+    _check_compactable(cfg, cache, queries, config)
     size, counts, _ = _budget(queries, cfg, cache, reread.span, config, selecting=False)
     if size is None:
         return cache, counts
@@ -212,7 +219,7 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     contexts' reread inputs, or only where the contexts lie (a ContextSpan: all the fit needs)."""
     if config.on_policy:
         raise ValueError("on-policy compaction runs the model layer by layer: call compact, not compact_with")
-    _check_compactable(cache, queries, config)
+    _check_compactable(cfg, cache, queries, config)
     if config.self_study_queries is not None:
         queries = thinned(queries, config.self_study_queries)
     span = reread if isinstance(reread, scoring.ContextSpan) else reread.span
@@ -221,7 +228,7 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
         return cache, counts
     layers = scoring.evictable_layers(cfg)
     q = jnp.stack([queries.q[i] for i in layers])  # [L, B, K, R, H]
-    k, v, bias = _context([cache.layers[i] for i in layers], span)  # [L, B, K, n, H], bias [L, B, K, n]
+    k, v, bias = _context([cache.layers[i] for i in layers], span, cfg)  # [L, B, K, n, H], bias [L, B, K, n]
     rank = None  # OMP selects by itself
     if config.selector == "kvzip":
         rank = queries.kvzip_scores[jnp.asarray(layers)]
@@ -231,7 +238,11 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     return _written(cache, span, layers, fitted, config.fit_bias), counts
 
 
-def _check_compactable(cache: kv.KVCache, queries: ReferenceQueries | None, config: MatchingConfig) -> None:
+def _check_compactable(cfg: ModelConfig, cache: kv.KVCache, queries: ReferenceQueries | None,
+                       config: MatchingConfig) -> None:
+    if cfg.mla is not None and config.refine_steps:
+        raise ValueError("refinement moves the kept values, and an MLA slot's latent is its key too: refine_steps "
+                         "must be 0 on multi-head latent attention")
     if any(not isinstance(layer, kv.LayerCache) or layer.keep is not None for layer in cache.layers):
         raise scoring.CacheLayoutError("compact a dense cache: this one is ragged or masked (kv.defragment a masked "
                                        "or compacted one first)")
@@ -239,13 +250,15 @@ def _check_compactable(cache: kv.KVCache, queries: ReferenceQueries | None, conf
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")
 
 
-def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan,
+             cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The context keys and values of these layers, each [L, B, K, n, H] with n = span.width, and their bias
-    [L, B, K, n] (0 where a layer has none)."""
+    [L, B, K, n] (0 where a layer has none). MLA: the keys the absorbed queries meet, [latent | RoPE key]."""
     n = span.width
     take = lambda x: scoring.slot_columns(x, span.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
     bias = lambda layer: (jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias)
-    return (jnp.stack([take(layer.k) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
+    keys = lambda layer: layer.k if cfg.mla is None else jnp.concatenate([layer.v, layer.k], axis=-1)
+    return (jnp.stack([take(keys(layer)) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
             jnp.stack([take(bias(layer)) for layer in layers]))
 
 
@@ -287,7 +300,7 @@ def _budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCach
     attention = None
     if global_by_attention or (selecting and config.selector == "hak"):
         q = jnp.stack([queries.q[i] for i in layers])
-        k, _, bias = _context([cache.layers[i] for i in layers], span)
+        k, _, bias = _context([cache.layers[i] for i in layers], span, cfg)
         attention = _attention_scores(q, queries.valid, k, bias, span, cfg, config)
     scores = None
     if config.budget == "global":
@@ -303,10 +316,10 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
          config: MatchingConfig):
     """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (with their bias [L, B, K, n]; by rank
     [L, B, K, n], or OMP), then fit their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32
-    (the kept keys' whole bias), c_v [L, B, K, S, H]) with S = size. The heads are fitted one after another, each at
-    the smallest static size of budgets.fit_sizes that holds its count (a switch at run time); a fit does not depend
-    on its padding, so the ladder only saves work."""
-    L, B, K, n, H = k.shape
+    (the kept keys' whole bias), c_v [L, B, K, S, H'] with H' the values' width) with S = size. The heads are fitted
+    one after another, each at the smallest static size of budgets.fit_sizes that holds its count (a switch at run
+    time); a fit does not depend on its padding, so the ladder only saves work."""
+    L, B, K, n, _ = k.shape
     key_valid, query_valid, heads = _per_head(q, valid, k, span)
     scale = cfg.query_scale
     lower, upper, iters = config.box()
@@ -322,7 +335,7 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
         active = (jnp.arange(t) < count) & kv_h[selected]  # [t]
         c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
                                   lower=lower, upper=upper, iters=iters, value_ridge=config.value_ridge,
-                                  key_bias=b_h)
+                                  key_bias=b_h, fit_values=cfg.mla is None)
         if config.refine_steps:  # keys stay at their slots: only beta (when fitted) and C_v move
             _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
                                           active=active, steps=config.refine_steps, train_bias=config.fit_bias,
@@ -332,7 +345,7 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
 
     def nothing_kept(args):  # a head whose count is 0
         return (jnp.zeros((size,), jnp.int32), jnp.zeros((size,), bool), jnp.zeros((size,), jnp.float32),
-                jnp.zeros((size, H), jnp.float32))
+                jnp.zeros((size, v.shape[-1]), jnp.float32))
 
     sizes = fit_sizes(size)  # descending
     branches = [nothing_kept] + [functools.partial(fit_one, s) for s in sizes]
@@ -403,7 +416,7 @@ def _fit_layer(cfg: ModelConfig, config: MatchingConfig, size: int, layer: kv.La
     selector, its per-chunk KVzip scores [B, K, m] -> fitted arrays with a leading layer axis of 1."""
     q, valid = stack_rows([((c,), v) for c, v in zip(captured, valid)], cfg.group_size)
     q = q[0][None]  # [1, B, K, R, H]
-    k, v, bias = _context([layer], span)
+    k, v, bias = _context([layer], span, cfg)
     rank = None
     if config.selector == "kvzip":
         rank = scoring.in_context_scores(jnp.concatenate(scored, axis=-1)[None], span.context_len)

@@ -116,7 +116,8 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
              key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
              active: jax.Array | None = None, lower: float = float(np.exp(np.float32(-3.0))),
              upper: float = float(np.exp(np.float32(3.0))),
-             iters: int = 2, value_ridge: float = RIDGE, key_bias: jax.Array | None = None):
+             iters: int = 2, value_ridge: float = RIDGE, key_bias: jax.Array | None = None,
+             fit_values: bool = True):
     """The compacted block of one KV head: (C_k [S, H], beta [S], C_v [S, H]), float32.
 
     q [N, H] reference queries (query_valid [N] bool: padding rows carry no weight); k, v [T, H]; selected [S] int
@@ -126,6 +127,7 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
     defaults are the paper's HAK setting e^-3..e^3 with 2 gradient steps); C_v is the least-squares fit of the
     block's outputs from the compacted attention weights. key_bias [T]: the block's own per-key bias (a block
     compacted before, compacted again); the returned beta then includes it (beta = key_bias[S] + log w).
+    fit_values False: C_v is the kept values themselves (only beta fitted; MLA, where a slot's latent is its key too).
     """
     if selected.shape[0] == 0:  # a head whose budget is 0 keeps nothing
         return jnp.zeros((0, k.shape[1]), jnp.float32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, v.shape[1]),
@@ -136,15 +138,16 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
     phi, mass, seen = mass_features(z)
     w = nnls_box(jnp.where(active[None, :], phi[:, selected], 0.0), mass, lower, upper, iters, columns)  # [S]
     beta = jnp.log(w)
+    kept_v = jnp.where(active[:, None], v[selected].astype(jnp.float32), 0.0)  # [S, H]
+    kept_beta = beta if key_bias is None else beta + key_bias[selected].astype(jnp.float32)
+    if not fit_values:
+        return k[selected].astype(jnp.float32), kept_beta, kept_v
     attention = phi / jnp.where(seen, mass, 1.0)[:, None]  # [N, T]: softmax(z) from its shifted exps; unseen rows 0
     target = jnp.einsum("NT,TH->NH", attention, v.astype(jnp.float32), precision=HIGHEST)  # [N, H]
     compact_z = jnp.where(active[None, :], z[:, selected] + beta[None, :], MASK_VALUE)  # [N, S]
     weights = jnp.where(seen[:, None] & active[None, :], jax.nn.softmax(compact_z, axis=1), 0.0)  # [N, S]
-    kept_v = jnp.where(active[:, None], v[selected].astype(jnp.float32), 0.0)  # [S, H]
     c_v = _solve_normal(weights, target, value_ridge, kept_v, columns=columns)  # [S, H]; towards the kept values
-    if key_bias is not None:
-        beta = beta + key_bias[selected].astype(jnp.float32)
-    return k[selected].astype(jnp.float32), beta, c_v
+    return k[selected].astype(jnp.float32), kept_beta, c_v
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, scale: float, bias: jax.Array | None = None):

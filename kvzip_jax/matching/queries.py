@@ -27,7 +27,6 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.errors import UnsupportedArchitectureError
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.models.attention import AttentionView
 from kvzip_jax.models.transformer import forward
@@ -123,11 +122,7 @@ def reference_passes(cfg: ModelConfig, cache: kv.KVCache, reread: scoring.Reread
                      with_scores: bool = False) -> list[ReferencePass]:
     """The passes of the sources, at most `cap` captured rows per KV head and layer in all (split evenly over the
     sources and their passes); with_scores: repeat passes carry KVzip's scorer. reread: None with self-study only.
-    An MLA model (cfg.mla) is refused: its fit would share one latent value per kept token across heads."""
-    if cfg.mla is not None:
-        raise UnsupportedArchitectureError("Attention Matching does not fit multi-head latent attention layers yet "
-                                           "(one latent value per kept token, shared by the heads); use KVzip or a "
-                                           "baseline")
+    An MLA model's queries are the absorbed ones (its one KV head's N query heads, width latent + RoPE)."""
     unknown = sorted(set(sources) - set(SOURCES))
     if unknown or not sources:
         raise ValueError(f"sources must be among {SOURCES}, got {sources}")
