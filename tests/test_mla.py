@@ -258,9 +258,10 @@ def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(o
     """AM on the latent cache, per layer: the reference queries are every head's absorbed ones. Keeping every token,
     every head attends to new queries as before (1e-3, test_matching's bar). At 0.3 (HAK over the heads' pooled
     attention; jit against eager: test_compact's, the same code) the kept latents are the cache's own with one bias
-    each, and on queries the fit never saw (a pass of random tokens) the heads' log-masses are far closer to the full context's
-    than evicting the same tokens gives (error ratio < 0.1 in every layer and row), their outputs closer over all
-    layers and rows together (the values are not refitted, so one layer and row of the four is 1.10x eviction's)."""
+    each, and on queries the fit never saw (a pass of random tokens) the heads' log-masses are far closer to the
+    full context's than evicting the same tokens gives (error ratio < 0.1 in every layer and row), their outputs
+    closer over all layers and rows together (the values are not refitted, so one layer and row of the four is 1.10x
+    eviction's)."""
     from kvzip_jax import matching
     from kvzip_jax.matching.self_study import probes_from_rows
 
