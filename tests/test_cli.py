@@ -266,3 +266,27 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
         cli.main(["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question",
                   QUESTION, "--kv-bits", "4", "--kv-group", "3"])
     assert exit_info.value.code == cli.EXIT_USER_ERROR and "--kv-group: group must be" in capsys.readouterr().err
+
+
+def test_a_saved_cache_is_quantized_on_ask_or_asked_as_saved(capsys, tiny, context_file, tmp_path):
+    """ask --kv-bits quantizes a saved unquantized cache on load; a cache saved with --kv-bits 4 is asked as saved
+    (its format in the manifest), and asking it at another width is a usage error."""
+    from kvzip_jax import cache_io
+
+    base = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question", QUESTION,
+            "--max-new-tokens", "4", "--chunk-size", "64", "--kv-group", "4", "--save"]
+    assert cli.main(base + [str(tmp_path / "doc.kv")]) == 0
+    assert cli.main(base + [str(tmp_path / "doc4.kv"), "--kv-bits", "4"]) == 0
+    capsys.readouterr()
+    ask = lambda name, *flags: cli.main(["ask", "--cache", str(tmp_path / name), "--question", QUESTION,
+                                         "--max-new-tokens", "4", *flags])
+    assert ask("doc.kv", "--kv-bits", "8", "--kv-group", "4") == 0
+    out = capsys.readouterr().out
+    assert ", int8, " in out and out.count("\nA: ") == 1
+    assert cache_io.read_manifest(tmp_path / "doc4.kv")["layers"][0]["bits"] == 4
+    assert ask("doc4.kv") == 0
+    out = capsys.readouterr().out
+    assert ", int4, " in out and out.count("\nA: ") == 1
+    with pytest.raises(SystemExit) as exit_info:
+        ask("doc4.kv", "--kv-bits", "8")
+    assert exit_info.value.code == cli.EXIT_USER_ERROR and "saved with --kv-bits 4" in capsys.readouterr().err

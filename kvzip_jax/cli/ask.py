@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
     model, cache, meta = common.load_saved(args)
     cache = common.quantized(args, cache)
     what = f"{meta.get('method', '?')} at ratio {meta.get('ratio', '?')}" if meta else "a saved cache"
-    what += f", int{meta['kv_bits']}" if meta.get("kv_bits", 16) != 16 else ""
+    bits = common.kv_bits(cache)  # as saved, or quantized on load (--kv-bits)
+    what += f", int{bits}" if bits is not None else ""
     context = meta.get("context", {}).get("tokens", "?")
     print(f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "
           f"{time.perf_counter() - start:.1f} s, no prefill or scoring; KV cache bytes: {common.cache_bytes(cache)}")

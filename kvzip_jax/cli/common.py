@@ -114,7 +114,7 @@ def quantized(args: argparse.Namespace, cache):
     from kvzip_jax import cache as kv
 
     fmt = options.kv_format(args)
-    saved = next((layer.store.k.bits for layer in cache.layers if isinstance(layer, kv.QuantizedLayerCache)), None)
+    saved = kv_bits(cache)
     if saved is not None:
         if args.kv_bits is not None and args.kv_bits != saved:
             args.subparser.error(f"the cache was saved with --kv-bits {saved}; it cannot be read as --kv-bits "
@@ -129,6 +129,13 @@ def quantized(args: argparse.Namespace, cache):
     except ValueError as e:
         args.subparser.error(f"--kv-group: {e}")
     return kv.quantized(cache, fmt, args.kv_window)
+
+
+def kv_bits(cache) -> int | None:
+    """The bits of a quantized cache's kept pairs, or None (not quantized)."""
+    from kvzip_jax import cache as kv
+
+    return next((layer.store.k.bits for layer in cache.layers if isinstance(layer, kv.QuantizedLayerCache)), None)
 
 
 def asks_by_completion(model) -> bool:
