@@ -70,6 +70,7 @@ from kvzip_jax.matching.queries import (
 )
 from kvzip_jax.matching.refine import refine_head
 from kvzip_jax.matching.select import AGGREGATIONS, OMP_UPPER, attention_key_scores, orthogonal_matching_pursuit
+from kvzip_jax.models.mla import latent_keys
 from kvzip_jax.models.transformer import apply_block, embed_tokens
 
 SELECTORS = ("hak", "omp", "kvzip")
@@ -257,7 +258,7 @@ def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan,
     n = span.width
     take = lambda x: scoring.slot_columns(x, span.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
     bias = lambda layer: (jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias)
-    keys = lambda layer: layer.k if cfg.mla is None else jnp.concatenate([layer.v, layer.k], axis=-1)
+    keys = lambda layer: layer.k if cfg.mla is None else latent_keys(layer.k, layer.v)
     return (jnp.stack([take(keys(layer)) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
             jnp.stack([take(bias(layer)) for layer in layers]))
 

@@ -68,6 +68,12 @@ def head_outputs(u, w_uv) -> jax.Array:
     return jnp.einsum("BTNR,RNv->BTNv", u[:, :, 0].astype(jnp.float32), w_uv.astype(jnp.float32))
 
 
+def latent_keys(k_rope, latents) -> jax.Array:
+    """The keys absorbed queries meet, [latent | RoPE key] on the last axis, from the cache's k (RoPE keys) and v
+    (latents) or this step's rows."""
+    return jnp.concatenate([latents, k_rope], axis=-1)
+
+
 def absorbed_query(q_nope, q_rope, w_uk) -> jax.Array:
     """[B, T, 1, N, R + dr]: each head's query against keys [latent | RoPE key], W_UK folded into its nope part."""
     q_latent = jnp.einsum("BTNd,RNd->BTNR", q_nope, w_uk.astype(jnp.float32))

@@ -113,8 +113,8 @@ class Block(nn.Module):
             q = mla.absorbed_query(q_nope, q_rope, w_uk)  # [B, T, 1, N, R + dr]
             latent_o = jnp.einsum("RNv,NvD->NRD", w_uv.astype(jnp.float32),  # W_UV then o, per head: [N, R, D]
                                   o_proj.reshape(cfg.num_heads, cfg.mla.v_head_dim, -1).astype(jnp.float32))
-            keys = dataclasses.replace(layer_cache, k=jnp.concatenate([layer_cache.v, layer_cache.k], axis=-1))
-            u, observed = self._observe(q, h, keys, jnp.concatenate([v_new, k_new], axis=-1), v_new, query_slots,
+            keys = dataclasses.replace(layer_cache, k=mla.latent_keys(layer_cache.k, layer_cache.v))
+            u, observed = self._observe(q, h, keys, mla.latent_keys(k_new, v_new), v_new, query_slots,
                                         window, latent_o.reshape(-1, latent_o.shape[-1]))
             out = mla.head_outputs(u, w_uv)
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
