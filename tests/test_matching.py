@@ -124,9 +124,9 @@ def test_gram_computes_the_blocks_before_its_columns_and_equals_the_dense_one(co
 
 def test_a_padded_fit_wider_than_a_gram_block_equals_the_fit_at_its_own_count():
     """A head fitted at a static size of 300 keys with only its first 150 active (the blocked Gram stops after two
-    blocks) is the fit of those 150 keys alone, judged by what it reproduces: the attention output and mass on the
-    reference queries (150 float32 columns make beta and C_v themselves ill-conditioned, the outputs are not); the
-    padding comes back as zeros."""
+    blocks) is the fit of those 150 keys alone: the same beta (1e-4) and C_v (1e-4 of its largest entry: 150 float32
+    columns make the normal equations ill-conditioned, which the refinement steps answer), the same attention output
+    and mass on the reference queries; the padding comes back as zeros."""
     q, k, v = _head(13, n=600, T=400)
     selected = matching.highest_attention_keys(q, k, SCALE, 300)
     active = jnp.arange(300) < 150
@@ -134,6 +134,8 @@ def test_a_padded_fit_wider_than_a_gram_block_equals_the_fit_at_its_own_count():
     alone = matching.fit_head(q, k, v, selected[:150], SCALE)
     np.testing.assert_array_equal(np.asarray(ck[:150]), np.asarray(alone[0]))
     np.testing.assert_array_equal(np.asarray(cv[150:]), 0.0)
+    np.testing.assert_allclose(np.asarray(beta[:150]), np.asarray(alone[1]), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(cv[:150]), np.asarray(alone[2]), atol=1e-4 * float(jnp.abs(alone[2]).max()))
     out, lse = matching.attend(q, ck[:150], cv[:150], SCALE, beta[:150])
     want_out, want_lse = matching.attend(q, *alone[::2], SCALE, alone[1])
     np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-4)

@@ -19,6 +19,8 @@ from kvzip_jax.models.transformer import forward
 from kvzip_jax.quant.groups import QuantFormat
 from kvzip_jax.weights.hf import params_from_hf
 
+from .test_compact import compact_jit_and_eager
+
 TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4,
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
@@ -259,10 +261,10 @@ def test_head_level_kvzip_and_refined_attention_matching_are_named_errors_on_mla
 def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(one):
     """AM on the latent cache, per layer: the reference queries are every head's absorbed ones. Keeping every token,
     every head attends to new queries as before (1e-3, test_matching's bar). At 0.3 (HAK over the heads' pooled
-    attention; jit against eager: test_compact's, the same code) the kept latents are the cache's own with one bias
-    each, and on queries the fit never saw (a pass of random tokens) the heads' log-masses are far closer to the
-    full context's than evicting the same tokens gives (error ratio < 0.1 in every layer and row), their outputs
-    closer over all layers and rows together (the values are not refitted, so one layer and row of the four is 1.10x
+    attention; jit and eager agree, as test_compact asks) the kept latents are the cache's own with one bias each,
+    and on queries the fit never saw (a pass of random tokens) the heads' log-masses are far closer to the full
+    context's than evicting the same tokens gives (error ratio < 0.1 in every layer and row), their outputs closer
+    over all layers and rows together (the values are not refitted, so one layer and row of the four is 1.10x
     eviction's)."""
     from kvzip_jax import matching
     from kvzip_jax.matching.self_study import probes_from_rows
@@ -279,7 +281,7 @@ def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(o
     assert seen.q[0].shape[1] == 1 and seen.q[0].shape[-1] == R + dr
 
     config = matching.MatchingConfig(ratio=0.3, budget="uniform")
-    compacted, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
+    compacted, counts = compact_jit_and_eager(params, cfg, cache, reread, config)
     context = slice(prefix, prefix + n)
     output_errors = np.zeros(2)  # fitted, evicted
     for i, (layer, before) in enumerate(zip(compacted.layers, cache.layers)):
