@@ -29,24 +29,23 @@ def _check_rows(out: str) -> None:
     assert "nan" not in out.lower()
 
 
-def test_gpu_bench_smoke_run(capsys):
-    assert _bench().main(["--smoke", "--decode-steps", "2"]) == 0
-    _check_rows(capsys.readouterr().out)
-
-
-def test_gpu_bench_runs_a_registry_model_by_path_with_its_weights(tmp_path, capsys):
-    """--models loads a model through the registry (here a tiny checkpoint folder; on the device, a bundled name) and
-    runs the same rows on its weights; a context past the model's maximum is skipped with a line saying so."""
+def test_gpu_bench_runs_its_mla_case_and_a_registry_model_by_path_with_its_weights(tmp_path, capsys):
+    """The smoke run's random-weight MLA case, then --models: a model loaded through the registry (here a tiny
+    checkpoint folder of the smoke run's GQA shape; on the device, a bundled name) runs the same rows on its weights;
+    a context past the model's maximum is skipped with a line saying so. (The smoke run's random-weight GQA case is
+    that model's shape with random weights: the same rows, so it is not run again.)"""
     bench = _bench()
     tokenizer = bundled_tokenizer(registry.SMOLLM2)
     cfg = dataclasses.replace(bench.SMOKE, vocab_size=len(tokenizer), max_position=512)
     path = save_checkpoint(tmp_path / "tiny", cfg, init_params(cfg, seed=1, scale=0.15), tokenizer)
-    assert bench.main(["--smoke", "--cases", "none", "--models", str(path), "--model-batch", "2",
+    assert bench.main(["--smoke", "--cases", "smoke-mla", "--models", str(path), "--model-batch", "2",
                        "--model-contexts", "192,4096", "--decode-steps", "2"]) == 0
     out = capsys.readouterr().out
-    assert f"== {path}, batch 2, 192 context tokens ==" in out
-    assert "skipped: past the model's maximum context of 512 tokens" in out
-    _check_rows(out)
+    mla, model = out.split(f"== {path}, batch 2, 192 context tokens ==")
+    assert "== smoke-mla, batch 2, 192 context tokens ==" in mla
+    assert "skipped: past the model's maximum context of 512 tokens" in model
+    _check_rows(mla)
+    _check_rows(model)
 
 
 def test_gpu_bench_names_an_unknown_model_before_any_case_runs(capsys):
