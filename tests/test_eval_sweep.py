@@ -359,6 +359,16 @@ def test_a_profile_method_needs_the_models_searched_budgets(model, tmp_path, mon
     assert np.isfinite([r["kl"] for r in got]).all()
 
 
+def test_fitted_latents_are_refused_before_any_work_on_a_model_without_a_latent_cache(model, tmp_path):
+    from kvzip_jax import matching
+
+    path = tmp_path / "results.jsonl"
+    with pytest.raises(matching.LatentValuesError, match="this model has no latent cache"):
+        sw.run_sweep(model, examples(), sw.SweepConfig(methods=("kvzip", "am-hak-fl"), ratios=(0.2,), batch_size=3),
+                     path, progress=False)
+    assert not path.exists()
+
+
 def test_kv_bits_quantize_every_cache_and_the_report_plots_score_against_bytes(model, tmp_path):
     """--kv-bits 16,4: every cache also answers with int4 kept pairs, the full cache too (quantization alone); the
     records carry the bytes of each context's kept pairs, int4 at exactly the format's share; ratio 1 in int4 answers

@@ -218,8 +218,9 @@ def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rer
 
 @pytest.mark.extended  # its parts run by default: KVzip scores, every cache form (here), kv bits (test_eval_sweep)
 def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
-    """KVzip and Attention Matching over a tiny random MLA model through the sweep, int4 too: every answer recorded,
-    the report's tables and plots written, the kept latents' bytes falling with the ratio and the bits."""
+    """KVzip and Attention Matching (kept and fitted latents) over a tiny random MLA model through the sweep, int4
+    too: every answer recorded, the report's tables and plots written, the kept latents' bytes falling with the ratio
+    and the bits."""
     from kvzip_jax.eval import report
     from kvzip_jax.eval import sweep as sw
     from kvzip_jax.models.params import init_params
@@ -232,7 +233,8 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     cfg = ModelConfig.from_hf(transformers.DeepseekV3Config(**TINY, **VARIANTS["q_lora"]).to_dict())
     cfg = dataclasses.replace(cfg, vocab_size=len(tok), max_position=2048, tie_embeddings=True)
     model = LoadedModel("tiny-mla", cfg, init_params(cfg, seed=0, scale=0.3), tok)
-    config = sw.SweepConfig(methods=("kvzip", "am-hak"), ratios=(0.2,), batch_size=3, kv_bits=(16, 4), kv_group=8)
+    config = sw.SweepConfig(methods=("kvzip", "am-hak", "am-hak-fl"), ratios=(0.2,), batch_size=3, kv_bits=(16, 4),
+                            kv_group=8)
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
     written = report.write_report(path, tmp_path)
@@ -241,7 +243,8 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     assert rows["full", 1.0]["n"] == sum(len(ex.questions) for ex in examples())
     assert rows["kvzip", 0.2]["bytes_share"] < rows["full", 1.0]["bytes_share"] == 100.0
     assert rows["kvzip+int4", 0.2]["bytes_share"] < rows["kvzip", 0.2]["bytes_share"]
-    assert rows["am-hak", 0.2]["n"] == rows["full", 1.0]["n"] and rows["am-hak", 0.2]["bytes_share"] < 100.0
+    for method in ("am-hak", "am-hak-fl"):
+        assert rows[method, 0.2]["n"] == rows["full", 1.0]["n"] and rows[method, 0.2]["bytes_share"] < 100.0
 
 
 def test_head_level_kvzip_and_refined_attention_matching_are_named_errors_on_mla(one):
@@ -305,3 +308,77 @@ def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(o
             output_errors += [error(fitted[0], want[0]), error(evicted[0], want[0])]
             assert error(fitted[1], want[1]) < 0.1 * error(evicted[1], want[1]), (i, b)
     assert output_errors[0] < output_errors[1]
+
+
+def test_attention_matching_with_fitted_latents_holds_key_and_value_latents_apart(one):
+    """latent_values 'fitted': each compacted layer takes the split layout (k = [latent | RoPE key], the cache's own
+    at every slot; v the value latents, refitted at the kept context slots and as they were elsewhere); jit and eager
+    agree. At the same bytes it keeps fewer tokens (each holds a second latent), whose outputs on queries the fit
+    never saw are closer to the full context's than those of the kept-latents fit (pooled over layers and rows, as
+    studies/mla_matching_variants measured on larger random models). The compacted cache decodes in every form: the
+    naive form equals the absorbed one (1e-5); ragged gives the masked cache's greedy tokens and logits (1e-4), int8
+    its greedy tokens; new tokens go in the split layout."""
+    from kvzip_jax import matching
+    from kvzip_jax.matching.self_study import probes_from_rows
+
+    _, cfg, params = one
+    R, dr = cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
+    prefix, n, B = 4, 40, 2
+    rows = _tokens(cfg, B, prefix + n, seed=6)
+    logits, cache = gen.prefill(params, cfg, rows, capacity=128)
+    reread, _ = _reread(cfg, prefix, rows[:, prefix:])
+    configs = {v: matching.MatchingConfig(ratio=0.3, budget="uniform", latent_values=v) for v in ("kept", "fitted")}
+    fitted, counts = compact_jit_and_eager(params, cfg, cache, reread, configs["fitted"])
+    kept, kept_counts = jax.jit(matching.compact)(params, cfg, cache, reread, configs["kept"])
+    assert (np.asarray(counts) < np.asarray(kept_counts)).all()
+    packed = {v: kv.pack(c, 16) for v, c in (("fitted", fitted), ("kept", kept))}
+    fixed = cfg.num_layers * B * prefix * (2 * R + dr) * 4  # the prefix is never compacted, but takes the layout
+    full_context = cfg.num_layers * B * n * (R + dr) * 4
+    share = (kv.used_bytes(packed["fitted"]) - fixed) / full_context
+    kept_share = (kv.used_bytes(packed["kept"]) - cfg.num_layers * B * prefix * (R + dr + 1) * 4) / full_context
+    assert share <= 0.3 + 1e-9 and abs(share - kept_share) < 2 * (2 * R + dr + 1) / ((R + dr) * n)
+
+    fresh_rows = [[_tokens(cfg, 1, 24, seed=20 + 2 * p + b)[0] for b in range(B)] for p in range(3)]
+    fresh = matching.reference_queries(params, cfg, cache, None, ("self-study",), probes=probes_from_rows(fresh_rows))
+    context = slice(prefix, prefix + n)
+    errors = np.zeros(2)  # fitted latents, kept latents
+    for i, (layer, other, before) in enumerate(zip(fitted.layers, kept.layers, cache.layers)):
+        keys = np.asarray(mla_latent_keys(before))[:, 0]  # [B, C, R + dr]
+        assert layer.k.shape[-1] == R + dr and other.k.shape[-1] == dr
+        np.testing.assert_array_equal(np.asarray(layer.k)[:, 0], keys)  # every slot's key, as the cache had it
+        v, v_before = np.asarray(layer.v)[:, 0], np.asarray(before.v)[:, 0]
+        keep = np.asarray(layer.keep)[:, 0]
+        np.testing.assert_array_equal(v[~keep], v_before[~keep])
+        for b in range(B):
+            q_new = fresh.q[i][b, 0][np.asarray(fresh.valid[b])]
+            want, _ = matching.attend(q_new, keys[b, context], v_before[b, context], cfg.query_scale)
+            for j, (lay, mask) in enumerate(((layer, keep[b]), (other, np.asarray(other.keep)[b, 0]))):
+                m = np.flatnonzero(mask[context]) + prefix
+                got, _ = matching.attend(q_new, keys[b, m], np.asarray(lay.v)[b, 0, m], cfg.query_scale,
+                                         np.asarray(lay.bias)[b, 0, m])
+                errors[j] += float(jnp.mean((got - want) ** 2))
+    assert errors[0] < errors[1], errors
+
+    naive = dataclasses.replace(cfg, mla_form="naive")
+    step = lambda c, config: gen.forward_step(params, jnp.asarray(_tokens(cfg, B, 6, seed=8)),
+                                              jnp.array([6, 6], jnp.int32), jax.tree.map(jnp.copy, c), config,
+                                              logits="all")
+    got, after = step(fitted, cfg)[:2]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(step(fitted, naive)[0]), atol=1e-5, rtol=0)
+    written = np.asarray(after.layers[0].k)[:, 0, prefix + n:prefix + n + 6]  # the new tokens' keys
+    np.testing.assert_array_equal(written[..., :R], np.asarray(after.layers[0].v)[:, 0, prefix + n:prefix + n + 6])
+    want, _, want_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, fitted), 6, return_logits=True)
+    for name, form in (("ragged", packed["fitted"]), ("int8", kv.quantized(packed["fitted"], QuantFormat(8, 8)))):
+        tokens, _, form_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, form), 6, return_logits=True)
+        assert tokens == want, name
+        if name == "ragged":
+            np.testing.assert_allclose(np.asarray(form_logits), np.asarray(want_logits), atol=1e-4, rtol=0)
+    with pytest.raises(matching.LatentValuesError, match="this model has no latent cache"):
+        matching.compact(params, dataclasses.replace(cfg, mla=None, architecture="llama", num_kv_heads=4,
+                                                     head_dim=16), cache, reread, configs["fitted"])
+
+
+def mla_latent_keys(layer):
+    from kvzip_jax.models.mla import latent_keys
+
+    return latent_keys(layer.k, layer.v)

@@ -173,7 +173,7 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
         if args.self_study:
             probes = matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache)
             sources = ("repeat", "self-study")
-        config = matching.method_config(args.method, args.ratio, model.name, sources=sources)
+        config = matching.method_config(args.method, args.ratio, model.name, model.cfg, sources=sources)
         compact = matching.compact if config.on_policy else jax.jit(matching.compact)  # on-policy: jitted per layer
         compacted, _ = compact(model.params, model.cfg, cache, reread, config, probes)
         if args.ratio >= 1.0:

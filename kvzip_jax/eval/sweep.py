@@ -480,8 +480,8 @@ def run_sweep(model, examples: Sequence[Example], config: SweepConfig, results_p
     mesh = mesh or sharding.data_mesh()
     if len({d.process_index for d in mesh.devices.flat}) > 1:
         _check_lockstep(results)
-    for method in set(config.methods) & set(matching.METHODS):  # a missing budget profile named before any work
-        matching.method_config(method, 1.0, model.name)
+    for method in set(config.methods) & set(matching.METHODS):  # a missing profile or a misfit named before any work
+        matching.method_config(method, 1.0, model.name, model.cfg)
     items = prepare(model.tokenizer, examples, config.instruction)
     capacity = capacity_for(items)  # the whole sweep's, whatever the share
     groups = share_of(groups_of(items, config.batch_size), index, count)

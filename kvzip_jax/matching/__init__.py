@@ -12,8 +12,10 @@ searched-profile per-head counts), compact (the whole cache; on-policy: layer by
 from kvzip_jax.matching import self_study
 from kvzip_jax.matching.budgets import BUDGETS, BudgetProfileError, head_counts, load_profile
 from kvzip_jax.matching.compact import (
+    LATENT_VALUES,
     METHODS,
     SELECTORS,
+    LatentValuesError,
     MatchingConfig,
     compact,
     compact_with,
@@ -30,7 +32,8 @@ from kvzip_jax.matching.select import (
     orthogonal_matching_pursuit,
 )
 
-__all__ = ["AGGREGATIONS", "BUDGETS", "METHODS", "SELECTORS", "SOURCES", "BudgetProfileError", "MatchingConfig",
+__all__ = ["AGGREGATIONS", "BUDGETS", "LATENT_VALUES", "METHODS", "SELECTORS", "SOURCES", "BudgetProfileError",
+           "LatentValuesError", "MatchingConfig",
            "Probes", "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with",
            "effective_ratio", "fit_head", "head_counts", "highest_attention_keys", "load_profile", "method_config",
            "mixture", "nnls_box", "matching_loss", "orthogonal_matching_pursuit", "reference_queries", "refine_head",

@@ -16,9 +16,13 @@ score and fit counts the bias its keys already carry, and a kept key's new bias 
 Multi-head latent attention (cfg.mla): a layer's one "KV head" is the latent cache, the reference queries are the
 absorbed ones of all N heads ([W_UK q_nope | q_rope] against keys [latent | RoPE key]), so a kept token is chosen
 from every head's attention together (HAK's aggregate over all of their rows) and gets one bias fitted to all heads'
-masses (NNLS over their rows stacked, as a GQA group's heads share theirs). Its value is not refitted: the latent
-is the slot's key as well, so a fitted value would need a second latent per kept token (twice its bytes); the kept
-latents stay as they are, and refinement (which moves values) is refused.
+masses (NNLS over their rows stacked, as a GQA group's heads share theirs). The latent is the slot's key as well
+as its value, so by default (latent_values "kept") it stays as it is and refinement (which moves values) is refused.
+With latent_values "fitted" a kept token also gets a value latent fitted by least squares to every head's latent
+output (their rows stacked): the compacted layer then holds key latents apart from value latents (models/mla.py's
+split layout, 2 R + dr per slot, counted by same_bytes), and refinement may move the value latents
+(studies/mla_matching_variants: at equal bytes the head outputs' error falls to 0.25-0.51x eviction's, against
+about 1x for the kept latents).
 
 Budgets (budgets.py) are uniform, global, or a model's searched profile. `same_bytes` (default) counts the bias' 4 bytes
 per kept pair: a ratio keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at
@@ -45,6 +49,7 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
+from kvzip_jax.errors import KvzipError
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.matching.budgets import (
@@ -70,6 +75,7 @@ from kvzip_jax.matching.queries import (
 )
 from kvzip_jax.matching.refine import refine_head
 from kvzip_jax.matching.select import AGGREGATIONS, OMP_UPPER, attention_key_scores, orthogonal_matching_pursuit
+from kvzip_jax.models import mla
 from kvzip_jax.models.mla import latent_keys
 from kvzip_jax.models.transformer import apply_block, embed_tokens
 
@@ -79,13 +85,16 @@ BUDGET_SCORES = ("kvzip", "attention")
 # selection and budgets with the AM fit; am-hak-kb is HAK's keys within KVzip's own per-head budgets (no head cap:
 # what KVzip's pair-level top-k keeps per head), the variant that holds at mild ratios; the others take budgets from
 # the reference queries' attention; am-hak-pb takes the model's searched budget profile (budgets.py;
-# Qwen2.5-Coder-0.5B's, searched at 0.02, loses to am-hak). Figures: docs/attention_matching.md.
+# Qwen2.5-Coder-0.5B's, searched at 0.02, loses to am-hak); am-hak-fl fits an MLA token's value latent apart from its
+# key (multi-head latent attention only). Figures: docs/attention_matching.md.
 KVZIP_AM = dict(selector="kvzip", budget_scores="kvzip")
 METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": KVZIP_AM,
            "am-hak-kb": dict(selector="hak", budget_scores="kvzip", head_cap=1.0),
            "am-hak-pb": dict(selector="hak", budget="profile"),
-           "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(KVZIP_AM, on_policy=True)}
+           "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(KVZIP_AM, on_policy=True),
+           "am-hak-fl": dict(selector="hak", latent_values="fitted")}
 BIAS_BYTES = 4  # a float32 beta per kept pair
+LATENT_VALUES = ("kept", "fitted")  # an MLA token's value latent: its own latent, or one fitted apart from its key
 
 
 @jax.tree_util.register_static
@@ -109,6 +118,9 @@ class MatchingConfig:
     equations (fit.RIDGE: a least-squares fit; large: the kept values themselves, only beta fitted).
     fit_bias: fit beta to the attention mass (False: beta = 0, only the values fitted and refined, and the compacted
     cache carries no bias of its own; an ablation).
+    latent_values: multi-head latent attention only: "kept" (a kept token's latent serves as key and value) or
+    "fitted" (a value latent fitted apart from the key latent; the compacted layers take models/mla.py's split
+    layout).
     """
 
     ratio: float = 0.1
@@ -128,12 +140,14 @@ class MatchingConfig:
     refine_steps: int = 0
     value_ridge: float = RIDGE
     fit_bias: bool = True
+    latent_values: str = "kept"
 
     def __post_init__(self):
         check_ratio(self.ratio)
         for name, value, choices in (("selector", self.selector, SELECTORS), ("aggregate", self.aggregate,
                                      AGGREGATIONS), ("budget", self.budget, BUDGETS),
-                                     ("budget_scores", self.budget_scores, BUDGET_SCORES)):
+                                     ("budget_scores", self.budget_scores, BUDGET_SCORES),
+                                     ("latent_values", self.latent_values, LATENT_VALUES)):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if not self.sources or set(self.sources) - set(SOURCES):
@@ -172,9 +186,11 @@ class MatchingConfig:
         return (1e-12, OMP_UPPER, 0) if self.selector == "omp" else (math.exp(-3.0), math.exp(3.0), 2)
 
 
-def method_config(method: str, ratio: float, model: str | None = None, **choices) -> MatchingConfig:
+def method_config(method: str, ratio: float, model: str | None = None, cfg: ModelConfig | None = None,
+                  **choices) -> MatchingConfig:
     """The MatchingConfig of a named method (METHODS) at a ratio; model: the model's name, whose budget profile a
-    profile method loads (budgets.load_profile) unless choices give one."""
+    profile method loads (budgets.load_profile) unless choices give one; cfg: the model's config, to refuse a method
+    that does not apply to its attention (check_choices) before any work."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
     choices = {**METHODS[method], **choices}
@@ -182,16 +198,23 @@ def method_config(method: str, ratio: float, model: str | None = None, **choices
         if model is None:
             raise BudgetProfileError(f"{method} takes the model's budget profile: give the model's name")
         choices["profile"] = load_profile(model)
-    return MatchingConfig(ratio=ratio, **choices)
+    config = MatchingConfig(ratio=ratio, **choices)
+    if cfg is not None:
+        check_choices(cfg, config)
+    return config
 
 
 def effective_ratio(config: MatchingConfig, cache: kv.KVCache) -> float:
-    """The ratio of pairs kept: config.ratio, less the bias' bytes when same_bytes and the fit adds a bias."""
-    if not config.same_bytes or not config.fit_bias:
+    """The ratio of pairs kept: config.ratio, less (same_bytes) the bias' bytes when the fit adds a bias and an MLA
+    token's second latent when its value latent is fitted (latent_values "fitted")."""
+    if not config.same_bytes:
         return config.ratio
     layer = cache.layers[0]
-    pair = (layer.k.shape[-1] + layer.v.shape[-1]) * layer.k.dtype.itemsize
-    return config.ratio * pair / (pair + BIAS_BYTES)
+    pair = (layer.k.shape[-1] + layer.v.shape[-1]) * layer.k.dtype.itemsize  # an MLA cache's shared layout
+    kept = pair + (BIAS_BYTES if config.fit_bias else 0)
+    if config.latent_values == "fitted":
+        kept += layer.v.shape[-1] * layer.v.dtype.itemsize
+    return config.ratio * pair / kept
 
 
 def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
@@ -201,6 +224,7 @@ def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadI
     (all layers; uncompacted layers count their whole context). reread: kvzip.reread_inputs of the contexts (the
     repeat source, and where the context lies); probes: self-study turns (queries.Probes) for that source; queries:
     this cache's reference queries when already captured (a sweep shares them), else captured here."""
+    check_choices(cfg, config)
     if queries is None and (not config.on_policy or config.budget == "global"):  # on-policy uniform: no full pass
         queries = reference_queries(params, cfg, cache, reread, config.sources, config.query_cap,
                                     config.needs_kvzip_scores, probes)
@@ -236,19 +260,32 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     elif config.selector == "hak":
         rank = attention
     fitted = _fit(q, queries.valid, k, v, bias, span, rank, counts[jnp.asarray(layers)], size, cfg, config)
-    return _written(cache, span, layers, fitted, config.fit_bias), counts
+    return _written(cache, span, layers, fitted, config, cfg), counts
 
 
 def _check_compactable(cfg: ModelConfig, cache: kv.KVCache, queries: ReferenceQueries | None,
                        config: MatchingConfig) -> None:
-    if cfg.mla is not None and config.refine_steps:
-        raise ValueError("refinement moves the kept values, and an MLA slot's latent is its key too: refine_steps "
-                         "must be 0 on multi-head latent attention")
+    check_choices(cfg, config)
     if any(not isinstance(layer, kv.LayerCache) or layer.keep is not None for layer in cache.layers):
         raise scoring.CacheLayoutError("compact a dense cache: this one is ragged or masked (kv.defragment a masked "
                                        "or compacted one first)")
     if config.needs_kvzip_scores and queries is not None and queries.kvzip_scores is None:
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")
+
+
+class LatentValuesError(KvzipError, ValueError):
+    """Fitted latent values asked of a model without a latent cache (or refinement of an MLA cache's kept ones)."""
+
+
+def check_choices(cfg: ModelConfig, config: MatchingConfig) -> None:
+    """The choices that depend on the model's attention (LatentValuesError), checked before any pass runs."""
+    if config.latent_values == "fitted" and cfg.mla is None:
+        raise LatentValuesError("latent_values 'fitted' fits an MLA token's value latent; this model has no latent "
+                                "cache")
+    if cfg.mla is not None and config.latent_values == "kept" and config.refine_steps:
+        raise LatentValuesError("refinement moves the kept values, and an MLA slot's latent is its key too: "
+                                "refine_steps must be 0 on multi-head latent attention unless latent_values is "
+                                "'fitted'")
 
 
 def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan,
@@ -258,7 +295,7 @@ def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan,
     n = span.width
     take = lambda x: scoring.slot_columns(x, span.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
     bias = lambda layer: (jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias)
-    keys = lambda layer: layer.k if cfg.mla is None else latent_keys(layer.k, layer.v)
+    keys = lambda layer: layer.k if cfg.mla is None or mla.split(cfg, layer) else latent_keys(layer.k, layer.v)
     return (jnp.stack([take(keys(layer)) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
             jnp.stack([take(bias(layer)) for layer in layers]))
 
@@ -336,7 +373,7 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
         active = (jnp.arange(t) < count) & kv_h[selected]  # [t]
         c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
                                   lower=lower, upper=upper, iters=iters, value_ridge=config.value_ridge,
-                                  key_bias=b_h, fit_values=cfg.mla is None)
+                                  key_bias=b_h, fit_values=cfg.mla is None or config.latent_values == "fitted")
         if config.refine_steps:  # keys stay at their slots: only beta (when fitted) and C_v move
             _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
                                           active=active, steps=config.refine_steps, train_bias=config.fit_bias,
@@ -363,14 +400,19 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
     return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
 
-def _written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted, with_bias: bool) -> kv.KVCache:
-    """The cache with layers[j] compacted to fitted[...][j] (_fit's outputs); without with_bias the fitted beta (the
-    kept keys' own bias, if any, when beta is not fitted) is not written and each layer keeps the bias it had."""
+def _written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted, config: MatchingConfig,
+             cfg: ModelConfig) -> kv.KVCache:
+    """The cache with layers[j] compacted to fitted[...][j] (_fit's outputs); without config.fit_bias the fitted beta
+    (the kept keys' own bias, if any, when beta is not fitted) is not written and each layer keeps the bias it had.
+    MLA with fitted value latents: each layer first takes the split layout (its latents copied into its keys)."""
     selected, active, beta, c_v = fitted
     new_layers = list(cache.layers)
     for j, i in enumerate(layers):
-        new_layers[i] = _compacted_layer(cache.layers[i], span.prefix_len, span.context_len, selected[j], active[j],
-                                         beta[j] if with_bias else None, c_v[j])
+        layer = cache.layers[i]
+        if config.latent_values == "fitted" and not mla.split(cfg, layer):
+            layer = dataclasses.replace(layer, k=latent_keys(layer.k, layer.v))
+        new_layers[i] = _compacted_layer(layer, span.prefix_len, span.context_len, selected[j], active[j],
+                                         beta[j] if config.fit_bias else None, c_v[j])
     return dataclasses.replace(cache, layers=tuple(new_layers))
 
 
@@ -391,7 +433,7 @@ def _compact_on_policy(params, cfg: ModelConfig, cache: kv.KVCache, reread: scor
             folded = [p.folded(o[0]) for o, p in zip(observed, passes)]
             fitted = _fit_layer(cfg, config, size, cache.layers[i], reread.span, counts[i], [q for q, _ in folded],
                                 [v for _, v in folded], [o[1] for o, p in zip(observed, passes) if p.scorer])
-            cache = _written(cache, reread.span, (i,), fitted, config.fit_bias)
+            cache = _written(cache, reread.span, (i,), fitted, config, cfg)
         if i < cfg.num_layers - 1:
             streams = [_block(params, cfg, i, x, p.positions, p.cache_under(cache.layers[i]), p.num_valid)
                        for x, p in zip(streams, passes)]

@@ -6,6 +6,11 @@ Per token the layer caches c = RMSNorm(W_DKV h) [R] (the latent: the layer's cac
 dr] and v [B, 1, C, R], in every form the other caches have (dense, masked, compacted, ragged, quantized). kv_b holds
 per head W_UK [R, dn] and W_UV [R, dv]. Head h's key of slot t is [W_UK_h^T c_t | k_rope_t], its value W_UV_h^T c_t.
 
+A layer compacted with fitted latents (Attention Matching, matching.MatchingConfig.latent_values) holds each slot's
+key latent and value latent apart: k [B, 1, C, R + dr] = [key latent | RoPE key], v [B, 1, C, R] the value latent
+(2 R + dr per slot). `split` tells the two layouts apart by the key's width; new tokens are written in the layer's
+own layout (their key latent is their value latent).
+
   naive     the cached latents up-projected per head into keys [B, N, C, dn + dr] and values [B, N, C, dv], then
             ordinary attention with N KV heads.
   absorbed  W_UK folded into the query: q_h' = [W_UK_h q_nope_h | q_rope_h] against the key [c_t | k_rope_t], the
@@ -53,6 +58,19 @@ def up_projections(p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     return kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
 
 
+def split(cfg: ModelConfig, layer_cache) -> bool:
+    """Whether a layer's cache holds key latents apart from its value latents (k [..., R + dr]; else k [..., dr])."""
+    plain = layer_cache.window if isinstance(layer_cache, kv.QuantizedLayerCache) else layer_cache  # not packed
+    return plain.k.shape[-1] == cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+
+
+def rows(cfg: ModelConfig, layer_cache, c, k_rope) -> tuple[jax.Array, jax.Array]:
+    """This step's cache rows (k [B, 1, T, dr] or, split, [B, 1, T, R + dr]; v [B, 1, T, R]) from its latents c
+    [B, T, R] and RoPE keys [B, T, dr], in the layout of the layer's cache."""
+    k_new, v_new = k_rope[:, None], c[:, None]
+    return (latent_keys(k_new, v_new) if split(cfg, layer_cache) else k_new), v_new
+
+
 def attend(p, cfg: ModelConfig, q_nope, q_rope, layer_cache, query_slots, window: int | None):
     """Each head's attention output [B, T, N, dv] over a cache that already holds this step's rows, in cfg.mla_form.
     query_slots [B, 1, T]: the new tokens' slots."""
@@ -60,7 +78,8 @@ def attend(p, cfg: ModelConfig, q_nope, q_rope, layer_cache, query_slots, window
     if cfg.mla_form == "naive":
         return _naive(cfg, q_nope, q_rope, w_uk, w_uv, layer_cache, query_slots, window)
     q = absorbed_query(q_nope, q_rope, w_uk)
-    return head_outputs(_latent_attention(q, layer_cache, query_slots, window, cfg.query_scale), w_uv)
+    u = _latent_attention(q, layer_cache, query_slots, window, cfg.query_scale, not split(cfg, layer_cache))
+    return head_outputs(u, w_uv)
 
 
 def head_outputs(u, w_uv) -> jax.Array:
@@ -80,33 +99,35 @@ def absorbed_query(q_nope, q_rope, w_uk) -> jax.Array:
     return jnp.concatenate([q_latent, q_rope], axis=-1)[:, :, None]
 
 
-def _latent_attention(q, layer_cache, query_slots, window, scale: float):
-    """Multi-query attention of q [B, T, 1, N, R + dr] over keys [c | k_rope] and values c -> [B, T, 1, N, R]."""
+def _latent_attention(q, layer_cache, query_slots, window, scale: float, shared: bool):
+    """Multi-query attention of q [B, T, 1, N, R + dr] over keys [c | k_rope] (shared: built from the cache's pair;
+    else the cache's k as it is) and values c -> [B, T, 1, N, R]."""
     if isinstance(layer_cache, kv.QuantizedLayerCache):
         store = layer_cache.store
-        cached = _latent_attention_parts(q, store, query_slots, window, scale)
+        cached = _latent_attention_parts(q, store, query_slots, window, scale, shared)
         return attention.then_window(q, *cached, layer_cache.window.k, layer_cache.window.v, store.lengths,
-                                     layer_cache.window.lengths, query_slots, window, scale, latent_keys=True)[0]
-    return _latent_attention_parts(q, layer_cache, query_slots, window, scale)[0]
+                                     layer_cache.window.lengths, query_slots, window, scale, latent_keys=shared)[0]
+    return _latent_attention_parts(q, layer_cache, query_slots, window, scale, shared)[0]
 
 
-def _latent_attention_parts(q, layer, query_slots, window, scale: float):
+def _latent_attention_parts(q, layer, query_slots, window, scale: float, shared: bool):
     if isinstance(layer, kv.RaggedLayerCache):
         return attention.ragged_attention(q, layer.k, layer.v, layer.offsets, layer.lengths, None, None, query_slots,
-                                          window, scale, layer.block, layer.bias, latent_keys=True)
+                                          window, scale, layer.block, layer.bias, latent_keys=shared)
     return attention.blocked_attention(q, layer.k, layer.v, layer.lengths, None, None, query_slots, window, scale,
-                                       layer.keep, key_bias=layer.bias, latent_keys=True)
+                                       layer.keep, key_bias=layer.bias, latent_keys=shared)
 
 
 def _naive(cfg: ModelConfig, q_nope, q_rope, w_uk, w_uv, layer_cache, query_slots, window):
     """The latents of a dense cache up-projected per head, then attention with N KV heads of one query each."""
     if not isinstance(layer_cache, kv.LayerCache):
         raise ValueError("the naive MLA form reads dense (or masked) caches; use the absorbed form")
-    B, _, C, dr = layer_cache.k.shape
-    N = cfg.num_heads
-    latents = layer_cache.v[:, 0].astype(jnp.float32)  # [B, C, R]
-    k_nope = jnp.einsum("BCR,RNd->BNCd", latents, w_uk.astype(jnp.float32))
-    k_rope = jnp.broadcast_to(layer_cache.k[:, :, :, :].astype(jnp.float32), (B, N, C, dr))
+    B, _, C, _ = layer_cache.k.shape
+    N, R, dr = cfg.num_heads, cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
+    latents = layer_cache.v[:, 0].astype(jnp.float32)  # [B, C, R]: the value latents
+    key_latents = layer_cache.k[:, 0, :, :R].astype(jnp.float32) if split(cfg, layer_cache) else latents
+    k_nope = jnp.einsum("BCR,RNd->BNCd", key_latents, w_uk.astype(jnp.float32))
+    k_rope = jnp.broadcast_to(layer_cache.k[:, :, :, -dr:].astype(jnp.float32), (B, N, C, dr))
     keys = jnp.concatenate([k_nope, k_rope], axis=-1)  # [B, N, C, dn + dr]
     values = jnp.einsum("BCR,RNv->BNCv", latents, w_uv.astype(jnp.float32))  # [B, N, C, dv]
     per_head = lambda x: None if x is None else jnp.broadcast_to(x, (B, N) + x.shape[2:])

@@ -102,7 +102,7 @@ class Block(nn.Module):
         o_proj = p("o")  # [N dv, D]
         query_slots = layer_cache.lengths[:, :, None] + jnp.arange(T, dtype=jnp.int32)  # [B, 1, T]
         window = cfg.window_for(self.index)
-        k_new, v_new = k_rope[:, None], c[:, None]  # [B, 1, T, dr], [B, 1, T, R]
+        k_new, v_new = mla.rows(cfg, layer_cache, c, k_rope)  # [B, 1, T, dr] (split: R + dr), [B, 1, T, R]
         if self.observer is None:
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
             out, observed = mla.attend(p, cfg, q_nope, q_rope, layer_cache, query_slots, window), None
@@ -113,9 +113,12 @@ class Block(nn.Module):
             q = mla.absorbed_query(q_nope, q_rope, w_uk)  # [B, T, 1, N, R + dr]
             latent_o = jnp.einsum("RNv,NvD->NRD", w_uv.astype(jnp.float32),  # W_UV then o, per head: [N, R, D]
                                   o_proj.reshape(cfg.num_heads, cfg.mla.v_head_dim, -1).astype(jnp.float32))
-            keys = dataclasses.replace(layer_cache, k=mla.latent_keys(layer_cache.k, layer_cache.v))
-            u, observed = self._observe(q, h, keys, mla.latent_keys(k_new, v_new), v_new, query_slots,
-                                        window, latent_o.reshape(-1, latent_o.shape[-1]))
+            keys, keys_new = layer_cache, k_new  # split: the keys as the cache holds them
+            if not mla.split(cfg, layer_cache):
+                keys = dataclasses.replace(layer_cache, k=mla.latent_keys(layer_cache.k, layer_cache.v))
+                keys_new = mla.latent_keys(k_new, v_new)
+            u, observed = self._observe(q, h, keys, keys_new, v_new, query_slots, window,
+                                        latent_o.reshape(-1, latent_o.shape[-1]))
             out = mla.head_outputs(u, w_uv)
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
         return layers.linear(out.reshape(B, T, -1), o_proj), layer_cache, observed
