@@ -4,6 +4,7 @@ keys, the absorbed form against the naive one, and every cache form."""
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -310,16 +311,19 @@ def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(o
     assert output_errors[0] < output_errors[1]
 
 
-def test_attention_matching_with_fitted_latents_holds_key_and_value_latents_apart(one):
+def test_attention_matching_with_fitted_latents_holds_key_and_value_latents_apart(one, tmp_path):
     """latent_values 'fitted': each compacted layer takes the split layout (k = [latent | RoPE key], the cache's own
     at every slot; v the value latents, refitted at the kept context slots and as they were elsewhere); jit and eager
     agree. At the same bytes it keeps fewer tokens (each holds a second latent), whose outputs on queries the fit
     never saw are closer to the full context's than those of the kept-latents fit (pooled over layers and rows, as
     studies/mla_matching_variants measured on larger random models). The compacted cache decodes in every form: the
     naive form equals the absorbed one (1e-5); ragged gives the masked cache's greedy tokens and logits (1e-4), int8
-    its greedy tokens; new tokens go in the split layout."""
-    from kvzip_jax import matching
+    its greedy tokens; new tokens go in the split layout; a saved ragged cache loads back exactly."""
+    from kvzip_jax import cache_io, matching
     from kvzip_jax.matching.self_study import probes_from_rows
+    from kvzip_jax.weights import registry
+    from kvzip_jax.weights.registry import LoadedModel
+    from tests.conftest import bundled_tokenizer
 
     _, cfg, params = one
     R, dr = cfg.mla.kv_lora_rank, cfg.mla.qk_rope_head_dim
@@ -373,6 +377,9 @@ def test_attention_matching_with_fitted_latents_holds_key_and_value_latents_apar
         assert tokens == want, name
         if name == "ragged":
             np.testing.assert_allclose(np.asarray(form_logits), np.asarray(want_logits), atol=1e-4, rtol=0)
+    model = LoadedModel("tiny-mla", cfg, params, bundled_tokenizer(registry.SMOLLM2))
+    loaded, _ = cache_io.load(cache_io.save(tmp_path / "fitted", packed["fitted"], model), model)
+    chex.assert_trees_all_equal(loaded, packed["fitted"])
     with pytest.raises(matching.LatentValuesError, match="this model has no latent cache"):
         matching.compact(params, dataclasses.replace(cfg, mla=None, architecture="llama", num_kv_heads=4,
                                                      head_dim=16), cache, reread, configs["fitted"])
