@@ -1,7 +1,7 @@
 """ModelConfig: one frozen, hashable description of a decoder, read from HF config.json or GGUF metadata.
 
 Families are flags, not subclasses:
-  llama  (Llama 2/3.x, SmolLM2): plain RMSNorm, SwiGLU, optional llama3 RoPE frequency scaling.
+  llama  (Llama 2/3.x, SmolLM2): plain RMSNorm, SwiGLU, optional RoPE frequency scaling (linear, llama3, YaRN).
   qwen2  (Qwen2/2.5): llama + q/k/v biases.
   qwen3: llama + per-head q/k RMSNorm before RoPE.
   gemma3 (text): (1+w) norms (the +1 is baked into our params), sqrt(D) embedding scale, query_pre_attn_scalar,
@@ -51,8 +51,26 @@ class MLASpec:
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
+class YarnSpec:
+    """YaRN's extra parameters (arXiv 2309.00071; RopeSpec kind 'yarn'): frequencies between beta_fast and beta_slow
+    rotations over the original context are ramped from extrapolated to interpolated (the correction range rounded
+    outwards when truncate), and cos / sin are multiplied by attention_factor."""
+
+    attention_factor: float
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature term, 0.1 mscale ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding of one layer type. kind: 'default' | 'linear' | 'llama3'."""
+    """Rotary embedding of one layer type. kind: 'default' | 'linear' | 'llama3' | 'yarn' (with its YarnSpec)."""
 
     theta: float
     kind: str = "default"
@@ -60,19 +78,32 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    yarn: YarnSpec | None = None
 
     @classmethod
-    def from_hf(cls, params: Mapping[str, Any] | None, theta: float) -> "RopeSpec":
-        """Reads an HF rope dict (`rope_scaling` or transformers-5 `rope_parameters`); None means default."""
+    def from_hf(cls, params: Mapping[str, Any] | None, theta: float, max_position: int | None = None) -> "RopeSpec":
+        """Reads an HF rope dict (`rope_scaling` or transformers-5 `rope_parameters`); None means default.
+        max_position: the config's max_position_embeddings (YaRN without a factor takes it over the original)."""
         params = dict(params or {})
         theta = float(params.get("rope_theta", theta))
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3"):
-            raise UnsupportedArchitectureError(f"RoPE type {kind!r} is not supported (default, linear, llama3)")
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise UnsupportedArchitectureError(f"RoPE type {kind!r} is not supported (default, linear, llama3, yarn)")
         if kind == "default":
             return cls(theta=theta)
         if kind == "linear":
             return cls(theta=theta, kind=kind, factor=float(params["factor"]))
+        if kind == "yarn":
+            original = int(params["original_max_position_embeddings"])
+            factor = params.get("factor") or (max_position or original) / original
+            attention_factor = params.get("attention_factor")
+            if attention_factor is None:
+                mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+                attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                                    if mscale and mscale_all_dim else yarn_mscale(factor))
+            yarn = YarnSpec(attention_factor=float(attention_factor), beta_fast=float(params.get("beta_fast") or 32),
+                            beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)))
+            return cls(theta=theta, kind=kind, factor=float(factor), original_max_position=original, yarn=yarn)
         return cls(
             theta=theta,
             kind=kind,
@@ -165,13 +196,17 @@ class ModelConfig:
         del d["attention_impl"], d["mla_form"]
         if d["mla"] is None:
             del d["mla"]  # the saved form of the other families is unchanged (checkpoint identity hashes)
+        for rope in (d["rope"], d["rope_sliding"]):
+            if rope is not None and rope["yarn"] is None:
+                del rope["yarn"]  # likewise for every RoPE but YaRN's
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         d = dict(d)
-        d["rope"] = RopeSpec(**d["rope"])
-        d["rope_sliding"] = RopeSpec(**d["rope_sliding"]) if d.get("rope_sliding") else None
+        rope = lambda r: RopeSpec(**{**r, "yarn": YarnSpec(**r["yarn"]) if r.get("yarn") else None})
+        d["rope"] = rope(d["rope"])
+        d["rope_sliding"] = rope(d["rope_sliding"]) if d.get("rope_sliding") else None
         d["layer_types"] = tuple(d["layer_types"])
         d["mla"] = MLASpec(**d["mla"]) if d.get("mla") else None
         return cls(**d)
@@ -222,7 +257,7 @@ class ModelConfig:
                 raise UnsupportedArchitectureError(f"{model_type} with use_sliding_window=True is not supported")
             return cls(
                 **common,
-                rope=RopeSpec.from_hf(rope_params, theta),
+                rope=RopeSpec.from_hf(rope_params, theta, common["max_position"]),
                 qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
                 qk_norm=arch == "qwen3",
             )
@@ -256,7 +291,9 @@ class ModelConfig:
 
 
 def _deepseek(hf: dict, common: dict, rope_params, theta: float) -> ModelConfig:
-    """A DeepSeek-V2/V3 config with dense MLP layers only; MoE layers, attention biases and YaRN are named errors."""
+    """A DeepSeek-V2/V3 config with dense MLP layers only (MoE layers and attention biases are named errors). With
+    YaRN RoPE (DeepSeek-V2-Lite's, V3's) the softmax scale takes mscale_all_dim's temperature squared, on every query
+    dimension, as DeepSeek's reference code does."""
     layers = common["num_layers"]
     dense = hf.get("first_k_dense_replace")
     if hf.get("n_routed_experts") and (dense is None or dense < layers):
@@ -265,9 +302,11 @@ def _deepseek(hf: dict, common: dict, rope_params, theta: float) -> ModelConfig:
             f"{hf.get('n_routed_experts')}, first_k_dense_replace {dense} < {layers} layers): only dense MLP layers")
     if hf.get("attention_bias"):
         raise UnsupportedArchitectureError(f"{hf.get('model_type')} with attention_bias=True is not supported")
-    rope = RopeSpec.from_hf(rope_params, theta)  # YaRN (DeepSeek-V2-Lite's) raises: not supported yet
+    rope = RopeSpec.from_hf(rope_params, theta, common["max_position"])
+    mscale_all_dim = (rope_params or {}).get("mscale_all_dim") if rope.kind != "default" else None
+    temperature = yarn_mscale(rope.factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
     mla = MLASpec(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                   v_head_dim=hf["v_head_dim"])
     return ModelConfig(**{**common, "num_kv_heads": 1, "head_dim": mla.qk_rope_head_dim}, rope=rope, mla=mla,
-                       query_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5)
+                       query_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * temperature)

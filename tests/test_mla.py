@@ -27,7 +27,13 @@ TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_lay
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
             first_k_dense_replace=2, n_routed_experts=4, attn_implementation="eager")
 VARIANTS = {"q_lora": dict(q_lora_rank=24), "no_q_lora": dict(q_lora_rank=None),
-            "no_interleave": dict(q_lora_rank=24, rope_interleave=False)}
+            "no_interleave": dict(q_lora_rank=24, rope_interleave=False),
+            # YaRN as DeepSeek-V2-Lite and V3 configure it, scaled down: over the 36 positions of the test, RoPE
+            # dimension 0 keeps its frequency and 1-3 are interpolated; cos / sin x 1 / mscale(0.707) and the softmax
+            # scale x mscale(0.707)^2 (mscale 1 and mscale_all_dim 0.707 tell the two apart).
+            "yarn": dict(q_lora_rank=24, rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, mscale=1.0,
+                mscale_all_dim=0.707, beta_fast=32, beta_slow=1))}
 
 
 def _tiny_hf_model(variant: str, seed: int = 0):
@@ -149,7 +155,7 @@ def test_moe_layers_and_attention_biases_are_named_errors():
 
 def test_kvzip_jax_convert_round_trips_a_saved_deepseek_folder(tmp_path):
     """`kvzip-jax convert --hf` writes the checkpoint; registry.load reads it back to the same config and the
-    same logits as the folder converted in memory."""
+    same logits as the folder converted in memory (a YaRN config: its RoPE parameters make the trip too)."""
     from kvzip_jax.cli import main as cli_main
     from kvzip_jax.weights import registry
 
@@ -157,7 +163,7 @@ def test_kvzip_jax_convert_round_trips_a_saved_deepseek_folder(tmp_path):
 
     from tests.conftest import tokenizer_folder
 
-    model = _tiny_hf_model("q_lora", seed=4)
+    model = _tiny_hf_model("yarn", seed=4)
     folder = tmp_path / "hf"
     model.save_pretrained(folder)
     for file in tokenizer_folder(registry.SMOLLM2).iterdir():  # convert saves the folder's tokenizer beside the weights
@@ -165,7 +171,7 @@ def test_kvzip_jax_convert_round_trips_a_saved_deepseek_folder(tmp_path):
     assert cli_main(["convert", "--hf", str(folder), "--out", str(tmp_path / "ck")]) == 0
     cfg, params = params_from_hf(folder)
     loaded = registry.load(str(tmp_path / "ck"))
-    assert loaded.cfg == cfg
+    assert loaded.cfg == cfg and cfg.rope.kind == "yarn"
     tokens = _tokens(cfg, 1, 12, seed=5)
     want = gen.prefill(jax.tree.map(jnp.asarray, params), cfg, tokens)[0]
     np.testing.assert_array_equal(np.asarray(gen.prefill(loaded.params, loaded.cfg, tokens)[0]), np.asarray(want))

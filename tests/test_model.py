@@ -25,7 +25,10 @@ FAMILIES = {
         tie_word_embeddings=True, max_position_embeddings=512,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64})),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(tie_word_embeddings=False)),
+    # YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context; here 64 tokens).
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        tie_word_embeddings=False, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                 "original_max_position_embeddings": 64})),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=16)),
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
         head_dim=16, sliding_window=16, query_pre_attn_scalar=24,

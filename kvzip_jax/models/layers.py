@@ -9,6 +9,8 @@ Einsum legend: B batch, T query positions, D model width, H head dim, F MLP widt
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,10 +31,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
-    """[H/2] float32 inverse frequencies, with linear or llama3 scaling as HF computes them."""
-    inv_freq = 1.0 / (np.float32(spec.theta) ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32)
-                                                  / np.float32(head_dim)))
-    inv_freq = inv_freq.astype(np.float32)
+    """[H/2] float32 inverse frequencies, with linear, llama3 or YaRN scaling as HF computes them."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(spec.theta) ** exponents)).astype(np.float32)
     if spec.kind == "linear":
         return (inv_freq / np.float32(spec.factor)).astype(np.float32)
     if spec.kind == "llama3":
@@ -45,14 +46,38 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)
+    if spec.kind == "yarn":
+        return _yarn_inv_freq(spec, head_dim, inv_freq)
     return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Half-split rotary embedding of x [B, T, heads, H] at integer positions [B, T]."""
+def _yarn_inv_freq(spec: RopeSpec, head_dim: int, inv_freq: np.ndarray) -> np.ndarray:
+    """YaRN: dimensions rotating more than beta_fast times over the original context keep their frequency, those
+    rotating fewer than beta_slow times are divided by the factor, and a linear ramp joins the two."""
+    yarn = spec.yarn
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times over the original context
+        return head_dim * math.log(spec.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(spec.theta))
+
+    low, high = dimension(yarn.beta_fast), dimension(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high
+    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolated = (1 - ramp).astype(np.float32)  # 1: the dimension keeps its frequency
+    interpolated = (inv_freq / np.float32(spec.factor)).astype(np.float32)
+    return (interpolated * (1 - extrapolated) + inv_freq * extrapolated).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, spec: RopeSpec) -> jax.Array:
+    """Half-split rotary embedding of x [B, T, heads, H] at integer positions [B, T] (YaRN: cos and sin scaled by
+    its attention factor)."""
+    inv_freq = rope_inv_freq(spec, x.shape[-1])
     angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
-    cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, H/2]
-    sin = jnp.sin(angles)[:, :, None, :]
+    factor = 1.0 if spec.yarn is None else spec.yarn.attention_factor
+    cos = (jnp.cos(angles) * factor)[:, :, None, :]  # [B, T, 1, H/2]
+    sin = (jnp.sin(angles) * factor)[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return rotated.astype(x.dtype)

@@ -45,9 +45,9 @@ def project(p, cfg: ModelConfig, index: int, h, positions):
     q_nope, q_rope = jnp.split(q.reshape(B, T, N, -1), [m.qk_nope_head_dim], axis=-1)
     c, k_rope = jnp.split(layers.linear(h, p("kv_a")), [m.kv_lora_rank], axis=-1)
     c = layers.rms_norm(c, p("kv_a_norm"), LATENT_NORM_EPS)
-    inv_freq = layers.rope_inv_freq(cfg.rope_for(index), m.qk_rope_head_dim)
-    q_rope = layers.apply_rope(q_rope, positions, inv_freq)
-    k_rope = layers.apply_rope(k_rope[:, :, None, :], positions, inv_freq)[:, :, 0]
+    rope = cfg.rope_for(index)
+    q_rope = layers.apply_rope(q_rope, positions, rope)
+    k_rope = layers.apply_rope(k_rope[:, :, None, :], positions, rope)[:, :, 0]
     return q_nope, q_rope, c, k_rope
 
 

@@ -74,9 +74,8 @@ class Block(nn.Module):
         if cfg.qk_norm:
             q = layers.rms_norm(q, p("q_norm"), cfg.rms_norm_eps)
             k = layers.rms_norm(k, p("k_norm"), cfg.rms_norm_eps)
-        inv_freq = layers.rope_inv_freq(cfg.rope_for(i), H)
-        q = constrain(layers.apply_rope(q, positions, inv_freq), DATA, None, TENSOR, None)  # heads on tensor
-        k = constrain(layers.apply_rope(k, positions, inv_freq), DATA, None, TENSOR, None)
+        q = constrain(layers.apply_rope(q, positions, cfg.rope_for(i)), DATA, None, TENSOR, None)  # heads on tensor
+        k = constrain(layers.apply_rope(k, positions, cfg.rope_for(i)), DATA, None, TENSOR, None)
         v = constrain(v, DATA, None, TENSOR, None)
 
         filled = layer_cache.lengths  # [B, K] slots in use before this step
