@@ -37,7 +37,7 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip
-from kvzip_jax.config import MLASpec, ModelConfig, RopeSpec, yarn_mscale
+from kvzip_jax.config import MLASpec, ModelConfig, RopeSpec, mla_query_scale
 from kvzip_jax.errors import ModelFileError
 from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
 from kvzip_jax.models import attention
@@ -61,12 +61,12 @@ QWEN_05B = ModelConfig(architecture="qwen2", vocab_size=151936, hidden_size=896,
 # down-projection, its YaRN RoPE and softmax temperature) and dense MLP width (random weights).
 V2_LITE_YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707,
                     beta_fast=32, beta_slow=1)
+V2_LITE_ROPE = RopeSpec.from_hf(V2_LITE_YARN, 10000.0)
+V2_LITE_MLA = MLASpec(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 DEEPSEEK_V2_LITE = ModelConfig(architecture="deepseek", vocab_size=102400, hidden_size=2048, num_layers=27,
                                num_heads=16, num_kv_heads=1, head_dim=64, intermediate_size=10944, rms_norm_eps=1e-6,
-                               max_position=163840, rope=RopeSpec.from_hf(V2_LITE_YARN, 10000.0), tie_embeddings=False,
-                               mla=MLASpec(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
-                                           qk_rope_head_dim=64, v_head_dim=128),
-                               query_scale=192**-0.5 * yarn_mscale(40, 0.707) ** 2)
+                               max_position=163840, rope=V2_LITE_ROPE, tie_embeddings=False, mla=V2_LITE_MLA,
+                               query_scale=mla_query_scale(V2_LITE_MLA, V2_LITE_ROPE, V2_LITE_YARN))
 # (name, config, batch, context tokens) of random-weight cases, most important first; 124K = 126,976 tokens, the
 # paper's LLaMA3.1-8B setting.
 CASES = [("llama3.1-8b", LLAMA_8B, 1, (126976, 32768)), ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),

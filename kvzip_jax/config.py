@@ -303,10 +303,16 @@ def _deepseek(hf: dict, common: dict, rope_params, theta: float) -> ModelConfig:
     if hf.get("attention_bias"):
         raise UnsupportedArchitectureError(f"{hf.get('model_type')} with attention_bias=True is not supported")
     rope = RopeSpec.from_hf(rope_params, theta, common["max_position"])
-    mscale_all_dim = (rope_params or {}).get("mscale_all_dim") if rope.kind != "default" else None
-    temperature = yarn_mscale(rope.factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
     mla = MLASpec(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
                   qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                   v_head_dim=hf["v_head_dim"])
     return ModelConfig(**{**common, "num_kv_heads": 1, "head_dim": mla.qk_rope_head_dim}, rope=rope, mla=mla,
-                       query_scale=(mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * temperature)
+                       query_scale=mla_query_scale(mla, rope, rope_params))
+
+
+def mla_query_scale(mla: MLASpec, rope: RopeSpec, rope_params: Mapping[str, Any] | None) -> float:
+    """An MLA layer's softmax scale: 1 / sqrt(nope + rope head dim), times mscale(factor, mscale_all_dim)^2 when a
+    scaled RoPE (rope_params: the HF dict it was read from) gives mscale_all_dim."""
+    mscale_all_dim = (rope_params or {}).get("mscale_all_dim") if rope.kind != "default" else None
+    temperature = yarn_mscale(rope.factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0
+    return (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * temperature

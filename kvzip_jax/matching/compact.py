@@ -76,7 +76,6 @@ from kvzip_jax.matching.queries import (
 from kvzip_jax.matching.refine import refine_head
 from kvzip_jax.matching.select import AGGREGATIONS, OMP_UPPER, attention_key_scores, orthogonal_matching_pursuit
 from kvzip_jax.models import mla
-from kvzip_jax.models.mla import latent_keys
 from kvzip_jax.models.transformer import apply_block, embed_tokens
 
 SELECTORS = ("hak", "omp", "kvzip")
@@ -295,7 +294,7 @@ def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan,
     n = span.width
     take = lambda x: scoring.slot_columns(x, span.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
     bias = lambda layer: (jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias)
-    keys = lambda layer: layer.k if cfg.mla is None or mla.split(cfg, layer) else latent_keys(layer.k, layer.v)
+    keys = lambda layer: layer.k if cfg.mla is None else mla.split_layout(cfg, layer).k
     return (jnp.stack([take(keys(layer)) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
             jnp.stack([take(bias(layer)) for layer in layers]))
 
@@ -409,8 +408,8 @@ def _written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted, confi
     new_layers = list(cache.layers)
     for j, i in enumerate(layers):
         layer = cache.layers[i]
-        if config.latent_values == "fitted" and not mla.split(cfg, layer):
-            layer = dataclasses.replace(layer, k=latent_keys(layer.k, layer.v))
+        if config.latent_values == "fitted":
+            layer = mla.split_layout(cfg, layer)
         new_layers[i] = _compacted_layer(layer, span.prefix_len, span.context_len, selected[j], active[j],
                                          beta[j] if config.fit_bias else None, c_v[j])
     return dataclasses.replace(cache, layers=tuple(new_layers))

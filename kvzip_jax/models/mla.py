@@ -23,6 +23,8 @@ nope, dr rope, dv value), D model width.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -62,6 +64,14 @@ def split(cfg: ModelConfig, layer_cache) -> bool:
     """Whether a layer's cache holds key latents apart from its value latents (k [..., R + dr]; else k [..., dr])."""
     plain = layer_cache.window if isinstance(layer_cache, kv.QuantizedLayerCache) else layer_cache  # not packed
     return plain.k.shape[-1] == cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+
+
+def split_layout(cfg: ModelConfig, layer_cache):
+    """A dense layer cache in the split layout, its k the keys absorbed queries meet ([key latent | RoPE key]):
+    itself when already split, else its latents copied into its keys."""
+    if split(cfg, layer_cache):
+        return layer_cache
+    return dataclasses.replace(layer_cache, k=latent_keys(layer_cache.k, layer_cache.v))
 
 
 def rows(cfg: ModelConfig, layer_cache, c, k_rope) -> tuple[jax.Array, jax.Array]:

@@ -8,7 +8,6 @@ G query heads per KV head, H head dim, V vocab.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import flax.linen as nn
@@ -74,8 +73,9 @@ class Block(nn.Module):
         if cfg.qk_norm:
             q = layers.rms_norm(q, p("q_norm"), cfg.rms_norm_eps)
             k = layers.rms_norm(k, p("k_norm"), cfg.rms_norm_eps)
-        q = constrain(layers.apply_rope(q, positions, cfg.rope_for(i)), DATA, None, TENSOR, None)  # heads on tensor
-        k = constrain(layers.apply_rope(k, positions, cfg.rope_for(i)), DATA, None, TENSOR, None)
+        rope = cfg.rope_for(i)
+        q = constrain(layers.apply_rope(q, positions, rope), DATA, None, TENSOR, None)  # heads on tensor
+        k = constrain(layers.apply_rope(k, positions, rope), DATA, None, TENSOR, None)
         v = constrain(v, DATA, None, TENSOR, None)
 
         filled = layer_cache.lengths  # [B, K] slots in use before this step
@@ -112,11 +112,8 @@ class Block(nn.Module):
             q = mla.absorbed_query(q_nope, q_rope, w_uk)  # [B, T, 1, N, R + dr]
             latent_o = jnp.einsum("RNv,NvD->NRD", w_uv.astype(jnp.float32),  # W_UV then o, per head: [N, R, D]
                                   o_proj.reshape(cfg.num_heads, cfg.mla.v_head_dim, -1).astype(jnp.float32))
-            keys, keys_new = layer_cache, k_new  # split: the keys as the cache holds them
-            if not mla.split(cfg, layer_cache):
-                keys = dataclasses.replace(layer_cache, k=mla.latent_keys(layer_cache.k, layer_cache.v))
-                keys_new = mla.latent_keys(k_new, v_new)
-            u, observed = self._observe(q, h, keys, keys_new, v_new, query_slots, window,
+            keys_new = k_new if mla.split(cfg, layer_cache) else mla.latent_keys(k_new, v_new)
+            u, observed = self._observe(q, h, mla.split_layout(cfg, layer_cache), keys_new, v_new, query_slots, window,
                                         latent_o.reshape(-1, latent_o.shape[-1]))
             out = mla.head_outputs(u, w_uv)
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
