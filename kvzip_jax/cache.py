@@ -9,7 +9,7 @@ Compressed forms: a masked cache is the same arrays plus `keep: [B, K, C]` (mask
 (pack) stores each layer as one flat `[B, S, H]` store of per-KV-head segments with `offsets: [B, K]`
 (RaggedLayerCache), so its bytes follow the pairs each head keeps. Any of these forms can hold its pairs quantized
 (quantized: int8 or packed int4 codes with group scales, quant/) beside a full-precision window of the most recent
-tokens (QuantizedLayerCache).
+tokens (QuantizedLayerCache), its keys centred per channel first (key_center).
 
 A full cache: every head has a fixed room (the capacity of a dense layer, its segment of a ragged one). `write`
 stores what fits and drops the rest, so `lengths` never exceed a head's room and no head writes into another's
@@ -84,10 +84,23 @@ class QuantizedLayerCache:
     store.lengths + j: the window's tokens come after every stored pair. A write that would overfill the window moves
     all of [window | new tokens] but the last ((n - 1) mod R) + 1 of those n into the store, quantized (n - that is a
     multiple of R); the rest stay in the window.
+    key_center: None, or [B, K, W] per-channel centres of the keys in the scale dtype (W the key width): the store holds
+    quantized k - key_center, so a channel that sits far from 0 on every token (Qwen2.5-1.5B's layer 0 has one near
+    -355, from its key bias) no longer sets the scale of the other channels of its group. A query's logits over the
+    store then lack q . key_center, the same for every stored key: attention adds it to the store's log-sum-exp
+    (attention.shifted), so the softmax over [store | window] is unchanged.
     """
 
     store: LayerCache | RaggedLayerCache
     window: LayerCache
+    key_center: jax.Array | None = None
+
+    def center_logits(self, q: jax.Array, scale: float) -> jax.Array | None:
+        """[B, K, G, T] the logit scale * q . key_center that the store's centred keys leave out, for queries
+        [B, T, K, G, W]; None without centres."""
+        if self.key_center is None:
+            return None
+        return scale * jnp.einsum("BTKGW,BKW->BKGT", q.astype(jnp.float32), self.key_center.astype(jnp.float32))
 
     @property
     def lengths(self) -> jax.Array:
@@ -204,10 +217,13 @@ def _put_ragged(store: jax.Array, new: jax.Array, start: jax.Array, count: jax.A
     return store.at[jnp.arange(B)[:, None, None], slots].set(new.astype(store.dtype), mode="drop")
 
 
-def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), window: int = WINDOW) -> KVCache:
+def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), window: int = WINDOW,
+              center: bool = True) -> KVCache:
     """The cache with every layer's stored pairs quantized in fmt (per token, groups along the head dim) and an empty
     full-precision window of `window` tokens per KV head for what is appended next; keep masks, offsets and biases
-    (float32) are kept as they are. Any form (dense, masked, compacted, ragged); jittable."""
+    (float32) are kept as they are. center: each head's keys are first centred per channel on the midpoint of their
+    visible pairs' range, rounded to the scale dtype (key_center; exact: attention adds the centre's logit back). Any form (dense, masked,
+    compacted, ragged); jittable."""
     if fmt.along != "head_dim":
         raise ValueError("a cache quantizes its pairs per token (along='head_dim'); per-channel (KIVI) keys need "
                          "token groups that flushes of the window would split")
@@ -218,13 +234,48 @@ def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), wind
         if isinstance(layer, QuantizedLayerCache):
             raise TypeError("the cache is quantized already")
         copied = jax.tree.map(jnp.copy, dataclasses.replace(layer, k=None, v=None))  # new arrays: donation-safe
-        store = dataclasses.replace(copied, k=quant.quantize(layer.k, fmt), v=quant.quantize(layer.v, fmt))
+        key_center = _key_center(layer).astype(fmt.scale_dtype) if center else None
+        keys = layer.k if key_center is None else layer.k - _per_slot(layer, key_center.astype(jnp.float32))
+        store = dataclasses.replace(copied, k=quant.quantize(keys, fmt), v=quant.quantize(layer.v, fmt))
         B, K = layer.lengths.shape
         empty = lambda x: jnp.zeros((B, K, window, x.shape[-1]), x.dtype)  # k and v widths (MLA: they differ)
         return QuantizedLayerCache(store=store, window=LayerCache(k=empty(layer.k), v=empty(layer.v),
-                                                                  lengths=jnp.zeros_like(layer.lengths)))
+                                                                  lengths=jnp.zeros_like(layer.lengths)),
+                                   key_center=key_center)
 
     return KVCache(layers=tuple(layer_of(layer) for layer in cache.layers), next_position=jnp.copy(cache.next_position))
+
+
+def _key_center(layer) -> jax.Array:
+    """[B, K, W] float32: per channel, the midpoint of (the smallest, the largest) key over each head's visible
+    pairs; 0 for a head with none."""
+    keys = layer.k.astype(jnp.float32)
+    if isinstance(layer, RaggedLayerCache):  # [B, S, W] -> per head segment
+        head, filled = _slot_heads(layer)  # [B, S]
+        K = layer.offsets.shape[1]
+        segment = jnp.where(filled, head, K)  # empty slots: a segment of their own, dropped
+        reduce = lambda op: jax.vmap(lambda x, s: op(x, s, num_segments=K + 1))(keys, segment)[:, :K]
+        high, low = reduce(jax.ops.segment_max), reduce(jax.ops.segment_min)
+    else:
+        visible = visible_slots(layer)[..., None]  # [B, K, C, 1]
+        high = jnp.where(visible, keys, -jnp.inf).max(axis=2)
+        low = jnp.where(visible, keys, jnp.inf).min(axis=2)
+    return jnp.where(high >= low, (high + low) / 2, 0.0)
+
+
+def _slot_heads(layer: RaggedLayerCache) -> tuple[jax.Array, jax.Array]:
+    """([B, S] the head whose segment holds each store slot, [B, S] whether that slot is filled)."""
+    slots = jnp.arange(layer.k.shape[1], dtype=jnp.int32)
+    head = jax.vmap(lambda o: jnp.searchsorted(o, slots, side="right") - 1)(layer.offsets)  # [B, S]
+    start = jnp.take_along_axis(layer.offsets, head, axis=1)
+    return head, slots - start < jnp.take_along_axis(layer.lengths, head, axis=1)
+
+
+def _per_slot(layer, per_head: jax.Array) -> jax.Array:
+    """per_head [B, K, W] laid out as the layer's k: [B, K, 1, W] (dense) or [B, S, W] (ragged, by segment)."""
+    if isinstance(layer, RaggedLayerCache):
+        return jnp.take_along_axis(per_head, _slot_heads(layer)[0][..., None], axis=1)
+    return per_head[:, :, None, :]
 
 
 def _write_quantized(layer: QuantizedLayerCache, k_new, v_new, num_new) -> QuantizedLayerCache:
@@ -241,12 +292,14 @@ def _write_quantized(layer: QuantizedLayerCache, k_new, v_new, num_new) -> Quant
             lambda o, n: _put_ragged(o, n, store.offsets + store.lengths, stored), old, new)
     else:
         put = lambda old, new: jax.tree.map(lambda o, n: _write_dense(o, n, store.lengths, stored), old, new)
-    store = dataclasses.replace(store, k=put(store.k, quant.quantize(both.k, store.k.format)),  # (MLA: k and v
+    keys = both.k if layer.key_center is None else both.k - layer.key_center[:, :, None, :].astype(jnp.float32)
+    store = dataclasses.replace(store, k=put(store.k, quant.quantize(keys, store.k.format)),  # (MLA: k and v
                                 v=put(store.v, quant.quantize(both.v, store.v.format)),  # differ in width)
                                 lengths=store.lengths + stored)
     rest = jnp.minimum(flushed[..., None] + jnp.arange(R), R + T - 1)  # [B, K, R] rows left in the window
     keep = lambda x: jnp.take_along_axis(x, rest[..., None], axis=2)
-    return QuantizedLayerCache(store=store, window=LayerCache(k=keep(both.k), v=keep(both.v), lengths=total - flushed))
+    return QuantizedLayerCache(store=store, window=LayerCache(k=keep(both.k), v=keep(both.v), lengths=total - flushed),
+                               key_center=layer.key_center)
 
 
 def nbytes(cache: KVCache) -> int:
@@ -257,7 +310,7 @@ def nbytes(cache: KVCache) -> int:
 def used_bytes(cache: KVCache) -> int:
     """Bytes of the K/V pairs held and visible (filled and, in a masked cache, kept): pairs x (a key and a value:
     head dim values, or a quantized layer's codes, scales and zero points; plus a float32 bias where the cache
-    carries one); a quantized layer's window tokens at full precision."""
+    carries one); a quantized layer's window tokens at full precision and its key centres."""
     return int(row_bytes(cache).sum())
 
 
@@ -269,6 +322,8 @@ def row_bytes(cache: KVCache, to_host=np.asarray) -> np.ndarray:
         if isinstance(layer, QuantizedLayerCache):
             window = to_host(layer.window.lengths).sum(axis=1)  # [B]
             total += window * pair_bytes(layer.window) + (kept - window) * pair_bytes(layer.store)
+            if layer.key_center is not None:  # its centres: K x W per row
+                total += layer.key_center[0].size * layer.key_center.dtype.itemsize
         else:
             total += kept * pair_bytes(layer)
     return total
@@ -324,7 +379,8 @@ def _rewound(layer, lengths: jax.Array, then: QuantizedLayerCache | None):
     pick = lambda old, new: jnp.where(in_old_window[..., None, None], old, new)
     window = LayerCache(k=pick(then.window.k, layer.window.k), v=pick(then.window.v, layer.window.v),
                         lengths=lengths - stored)
-    return QuantizedLayerCache(store=dataclasses.replace(layer.store, lengths=stored), window=window)
+    return QuantizedLayerCache(store=dataclasses.replace(layer.store, lengths=stored), window=window,
+                               key_center=layer.key_center)
 
 
 def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context_len: jax.Array) -> KVCache:

@@ -8,8 +8,8 @@ nothing that loads):
 
   <dir>/arrays/         orbax (StandardCheckpointer) tree of the cache: per layer k, v, lengths and, where the layer
                         has them, keep (masked), bias (compacted), offsets (ragged); a quantized layer stores
-                        k_codes, k_scale, k_zero (and v's) in place of k and v, and its window as window_k,
-                        window_v, window_lengths; next_position
+                        k_codes, k_scale, k_zero (and v's) in place of k and v, its window as window_k,
+                        window_v, window_lengths, and key_center where its keys are centred; next_position
   <dir>/manifest.json   written last: format and layout version, package version, the model's identity (config hash,
                         parameter fingerprint, name and where it was loaded from), the tokenizer's hash, the dtype,
                         each layer's kind and shapes (a quantized layer: its store's kind, bits, group, scale dtype
@@ -37,7 +37,8 @@ from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights.checkpoint import atomic_dir
 from kvzip_jax.weights.identity import model_identity, package_version, tokenizer_hash
 
-FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 2  # 2: quantized layers (a cache without them is written as 1)
+FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 3  # 2: quantized layers; 3: centred keys (a cache is written as the
+# lowest version that holds it)
 ARRAYS, MANIFEST = "arrays", "manifest.json"
 DENSE, RAGGED, QUANTIZED = "dense", "ragged", "quantized"
 QUANT_FIELDS = ("codes", "scale", "zero")
@@ -72,9 +73,8 @@ def save(directory: str | Path, cache: kv.KVCache, model, meta: dict | None = No
     tree = _tree(cache)
     layers = [_layer_layout(layer) for layer in cache.layers]
     arrays = {jax.tree_util.keystr(path): _sha256(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-    quantized = any(isinstance(layer, kv.QuantizedLayerCache) for layer in cache.layers)
     manifest = {
-        "format": FORMAT, "layout_version": LAYOUT_VERSION if quantized else 1,
+        "format": FORMAT, "layout_version": _layout_version(cache),
         "kvzip_jax": package_version("kvzip-jax"),
         "model": {"name": model.name, **model_identity(model.cfg, model.params)},
         "tokenizer": tokenizer_hash(model.tokenizer), "dtype": np.dtype(dtypes.of_params(model.params)).name,
@@ -154,6 +154,14 @@ def load(directory: str | Path, model) -> tuple[kv.KVCache, dict]:
     return _cache(tree, manifest), manifest
 
 
+def _layout_version(cache: kv.KVCache) -> int:
+    """The lowest layout version that holds cache: 1 unquantized, 2 quantized, 3 with centred keys."""
+    quantized = [layer for layer in cache.layers if isinstance(layer, kv.QuantizedLayerCache)]
+    if any(layer.key_center is not None for layer in quantized):
+        return 3
+    return 2 if quantized else 1
+
+
 def _tree(cache: kv.KVCache) -> dict:
     """The cache as a plain dict of arrays (what orbax stores)."""
     return {"layers": {str(i): _fields(layer) for i, layer in enumerate(cache.layers)},
@@ -167,7 +175,8 @@ def _fields(layer) -> dict:
             rows = fields.pop(name)
             fields.update({f"{name}_{part}": getattr(rows, part) for part in QUANT_FIELDS})
         window = layer.window
-        return {**fields, "window_k": window.k, "window_v": window.v, "window_lengths": window.lengths}
+        center = {} if layer.key_center is None else {"key_center": layer.key_center}
+        return {**fields, "window_k": window.k, "window_v": window.v, "window_lengths": window.lengths, **center}
     fields = {"k": layer.k, "v": layer.v, "lengths": layer.lengths}
     for name in ("keep", "bias", "offsets"):
         value = getattr(layer, name, None)
@@ -219,7 +228,9 @@ def _layer(fields: dict, layout: dict):
                                            bits=layout["bits"])
         window = kv.LayerCache(k=fields.pop("window_k"), v=fields.pop("window_v"),
                                lengths=fields.pop("window_lengths"))
-        return kv.QuantizedLayerCache(store=_layer(fields, {**layout, "kind": layout["store"]}), window=window)
+        key_center = fields.pop("key_center", None)
+        return kv.QuantizedLayerCache(store=_layer(fields, {**layout, "kind": layout["store"]}), window=window,
+                                      key_center=key_center)
     if layout["kind"] == RAGGED:
         return kv.RaggedLayerCache(block=layout["block"], **fields)
     return kv.LayerCache(**fields)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def caches(restored):  # noqa: F811
     """{form: cache} of the CONTEXT at ratio 0.5: KVzip masked, the same packed ragged, AM-compacted ragged, and
-    quantized: the ragged one in int4, the compacted one (dense, with its bias) in int8."""
+    quantized: the ragged one in int4 with uncentred keys, the compacted one (dense, with its bias) in int8."""
     context, suffixes = prompts.split_for_reuse(restored.tokenizer, CONTEXT, [QUESTION])
     _, cache = gen.prefill(restored.params, restored.cfg, [context.ids()])
     reread = kvzip.reread_inputs(restored.tokenizer, [context.context_start], [context.ids()[context.context_slice]])
@@ -38,7 +38,7 @@ def caches(restored):  # noqa: F811
                                              matching.MatchingConfig(ratio=0.5))
     int4, int8 = QuantFormat(bits=4, group=32), QuantFormat(bits=8, group=64, scale_dtype="float16")
     return {"masked": masked, "ragged": kv.pack(masked, 64), "compacted": kv.pack(compacted, 64),
-            "ragged-int4": kv.quantized(kv.pack(masked, 64), int4, window=32),
+            "ragged-int4": kv.quantized(kv.pack(masked, 64), int4, window=32, center=False),
             "compacted-int8": kv.quantized(compacted, int8)}, suffixes[0]
 
 
@@ -62,6 +62,8 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smoll
                 "quantized", "ragged", 4, 32, 32) and manifest["layout_version"] == 2
         elif form == "ragged":
             assert layout["kind"] == "ragged" and manifest["layout_version"] == 1
+        elif form == "compacted-int8":  # centred keys: their centres saved beside the store
+            assert "key_center" in layout["fields"] and manifest["layout_version"] == 3
         if form == "ragged":  # a new process answers from it; the others' arrays (int4 too) are checked here
             want[form] = _answer(restored, jax.tree.map(jnp.copy, cache), suffix)
     script = textwrap.dedent(f"""

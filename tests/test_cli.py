@@ -249,19 +249,22 @@ def test_compress_draws_what_was_kept(capsys, tiny, context_file, tmp_path):
 
 def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_file):
     """--kv-bits 8 / 4 quantize the compressed cache: the same kept pairs, fewer bytes (int4 fewer than int8), an
-    answer either way; a group that does not split the head dim is a usage error."""
+    answer either way; centred keys (the default; --no-kv-center) add their centres' bytes; a group that does not
+    split the head dim is a usage error."""
     used = {}
-    for bits in ("16", "8", "4"):
+    uncentred = ["--no-kv-center"]
+    for name, bits, flags in (("16", "16", []), ("8", "8", uncentred), ("4", "4", uncentred), ("4-centred", "4", [])):
         argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question",
-                QUESTION, "--max-new-tokens", "4", "--chunk-size", "64", "--kv-bits", bits, "--kv-group", "4"]
+                QUESTION, "--max-new-tokens", "4", "--chunk-size", "64", "--kv-bits", bits, "--kv-group", "4", *flags]
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
         line = next(line for line in out.splitlines() if line.startswith("KV cache bytes: compressed"))
         assert ("int" + bits) in line if bits != "16" else "int" not in line
-        used[bits] = int(line.split()[4].replace(",", ""))
+        used[name] = int(line.split()[4].replace(",", ""))
         assert out.count("\nA: ") == 1
     # head dim 8, float32: 64 bytes per pair; int8 with groups of 4: 2 x (8 + 2 x 2 x 2) = 32; int4: 24
     assert used["16"] / 64 == used["8"] / 32 == used["4"] / 24
+    assert used["4-centred"] - used["4"] == 2 * 2 * 8 * 2  # layers x KV heads x head dim, bf16
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question",
                   QUESTION, "--kv-bits", "4", "--kv-group", "3"])
@@ -283,7 +286,8 @@ def test_a_saved_cache_is_quantized_on_ask_or_asked_as_saved(capsys, tiny, conte
     assert ask("doc.kv", "--kv-bits", "8", "--kv-group", "4") == 0
     out = capsys.readouterr().out
     assert ", int8, " in out and out.count("\nA: ") == 1
-    assert cache_io.read_manifest(tmp_path / "doc4.kv")["layers"][0]["bits"] == 4
+    layout = cache_io.read_manifest(tmp_path / "doc4.kv")["layers"][0]
+    assert layout["bits"] == 4 and "key_center" in layout["fields"]
     assert ask("doc4.kv") == 0
     out = capsys.readouterr().out
     assert ", int4, " in out and out.count("\nA: ") == 1

@@ -374,7 +374,8 @@ def test_kv_bits_quantize_every_cache_and_the_report_plots_score_against_bytes(m
     records carry the bytes of each context's kept pairs, int4 at exactly the format's share; ratio 1 in int4 answers
     as the full cache in int4; a grid grown by int8 resumes with only the new answers; the report has a bytes table
     and a Pareto plot."""
-    config = sw.SweepConfig(methods=("kvzip",), ratios=(1.0, 0.5), batch_size=3, kv_bits=(16, 4), kv_group=8)
+    config = sw.SweepConfig(methods=("kvzip",), ratios=(1.0, 0.5), batch_size=3, kv_bits=(16, 4), kv_group=8,
+                            kv_center=False)  # bytes at exactly the format's share: no key centres
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
     got = _by_key(path)
@@ -406,3 +407,8 @@ def test_kv_bits_quantize_every_cache_and_the_report_plots_score_against_bytes(m
     assert "## Bytes of the kept pairs" in written["markdown"].read_text()
     with pytest.raises(ValueError, match="kv_bits"):
         sw.SweepConfig(kv_bits=(16, 2))
+    # Centred keys (the default) answer otherwise than the files written before them: their settings say so.
+    centred = dataclasses.replace(config, kv_center=True)
+    assert centred.settings(model)["kv_quant"] == {**config.settings(model)["kv_quant"], "center": True}
+    assert "kv_quant" not in dataclasses.replace(config, kv_group=64).settings(model)
+    assert "kv_quant" not in dataclasses.replace(centred, kv_group=64, kv_bits=(16,)).settings(model)

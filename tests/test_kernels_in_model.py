@@ -137,18 +137,19 @@ def test_a_new_context_reuses_the_compiled_ragged_decode_step():
     assert advance._cache_size() == 1
 
 
-@pytest.mark.parametrize("form,bits", [("masked", 8), ("ragged", 4)])
-def test_pallas_decode_over_a_quantized_cache_answers_as_xla(form, bits):
+@pytest.mark.parametrize("form,bits,center", [("masked", 8, False), ("ragged", 4, True)])
+def test_pallas_decode_over_a_quantized_cache_answers_as_xla(form, bits, center):
     """int8 / int4 stores read by the decode kernels (dequantized in the kernel) then the full-precision window: the
     same greedy tokens as the XLA path (store dequantized block by block), logits within 1e-5; the window of 8 flushes
-    during the answer, so both read a store that grew while decoding."""
+    during the answer, so both read a store that grew while decoding; centred keys (the int4 case) get their centre's
+    logit back on the kernel's log-sum-exp."""
     from kvzip_jax.quant.groups import QuantFormat
 
     answers, logits_seen = [], []
     for impl in ("xla", "pallas"):
         cfg = _with(CFG, impl)
         cache = dict(zip(("dense", "masked", "ragged"), _caches(cfg, PARAMS)))[form]
-        cache = kv.quantized(cache, QuantFormat(bits=bits, group=8), window=8)
+        cache = kv.quantized(cache, QuantFormat(bits=bits, group=8), window=8, center=center)
         logits, cache = gen.prefill(PARAMS, cfg, [QUESTION], cache)
         out, cache, last = gen.decode(PARAMS, cfg, logits, cache, 12, return_logits=True)
         assert int(cache.layers[0].window.lengths[0, 0]) < len(QUESTION) + 12  # flushed

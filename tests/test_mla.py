@@ -124,8 +124,9 @@ def test_the_absorbed_form_equals_the_naive_one(one):
 
 
 def test_every_cache_form_holds_latents(one):
-    """Masked, ragged (one segment per layer: the latent is one 'KV head') and quantized MLA caches answer as the
-    dense one does: greedy tokens equal; the ragged and int8 ones with logits within 1e-4 and 5e-2."""
+    """Masked, ragged (one segment per layer: the latent is one 'KV head') and quantized MLA caches (int8 with its RoPE
+    keys centred, the default, and uncentred) answer as the dense one does: greedy tokens equal; the ragged and int8 ones with
+    logits within 1e-4 and 5e-2."""
     _, cfg, params = one
     tokens = _tokens(cfg, 1, 24, seed=3)
     logits, dense = gen.prefill(params, cfg, tokens, capacity=64)
@@ -135,13 +136,14 @@ def test_every_cache_form_holds_latents(one):
     ragged = kv.pack(masked, 16)
     assert ragged.layers[0].offsets.shape == (1, 1)
     assert kv.used_bytes(ragged) == cfg.num_layers * 24 * (8 + 32) * 4  # k_rope and latent per token, float32
-    forms = {"masked": masked, "ragged": ragged, "int8": kv.quantized(ragged, QuantFormat(bits=8, group=8))}
+    forms = {"masked": masked, "ragged": ragged, "int8": kv.quantized(ragged, QuantFormat(bits=8, group=8)),
+             "int8-uncentred": kv.quantized(ragged, QuantFormat(bits=8, group=8), center=False)}
     want, _, want_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, dense), 8, return_logits=True)
     for name, cache in forms.items():
         got, _, got_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, cache), 8, return_logits=True)
         assert got == want, name
         np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits),
-                                   atol=5e-2 if name == "int8" else 1e-4, rtol=0)
+                                   atol=5e-2 if name.startswith("int8") else 1e-4, rtol=0)
 
 
 def test_moe_layers_and_attention_biases_are_named_errors():
@@ -378,7 +380,8 @@ def test_attention_matching_with_fitted_latents_holds_key_and_value_latents_apar
     written = np.asarray(after.layers[0].k)[:, 0, prefix + n:prefix + n + 6]  # the new tokens' keys
     np.testing.assert_array_equal(written[..., :R], np.asarray(after.layers[0].v)[:, 0, prefix + n:prefix + n + 6])
     want, _, want_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, fitted), 6, return_logits=True)
-    for name, form in (("ragged", packed["fitted"]), ("int8", kv.quantized(packed["fitted"], QuantFormat(8, 8)))):
+    for name, form in (("ragged", packed["fitted"]), ("int8", kv.quantized(packed["fitted"], QuantFormat(8, 8))),
+                       ("int8-uncentred", kv.quantized(packed["fitted"], QuantFormat(8, 8), center=False))):
         tokens, _, form_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, form), 6, return_logits=True)
         assert tokens == want, name
         if name == "ragged":

@@ -3,6 +3,7 @@ by its rule, marks rewind exactly, bytes follow the format, and no float copy of
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,19 +40,28 @@ def _form(name: str) -> kv.KVCache:
 
 
 def _dequantized_twin(cache: kv.KVCache) -> kv.KVCache:
-    """The unquantized cache holding what a quantized one (with an empty window) stands for."""
-    return kv.KVCache(tuple(dataclasses.replace(layer.store, k=quant.dequantize(layer.store.k),
-                                                v=quant.dequantize(layer.store.v)) for layer in cache.layers),
-                      cache.next_position)
+    """The unquantized cache holding what a quantized one (with an empty window) stands for: centred keys with their
+    centres added back."""
+    def keys(layer):
+        k = quant.dequantize(layer.store.k)
+        return k if layer.key_center is None else k + kv._per_slot(layer.store, layer.key_center)
+
+    return kv.KVCache(tuple(dataclasses.replace(layer.store, k=keys(layer), v=quant.dequantize(layer.store.v))
+                            for layer in cache.layers), cache.next_position)
 
 
-@pytest.mark.parametrize("form,fmt", [("dense", FORMATS[0]), ("masked", FORMATS[1]), ("compacted", FORMATS[0]),
-                                      ("ragged", FORMATS[1]), ("ragged-compacted", FORMATS[1])],
-                         ids=["dense-int8", "masked-int4", "compacted-int8", "ragged-int4", "ragged-compacted-int4"])
-def test_every_form_attends_as_its_dequantized_twin(form, fmt):
+@pytest.mark.parametrize("form,fmt,center", [
+    ("dense", FORMATS[0], True), ("masked", FORMATS[1], True), ("compacted", FORMATS[0], True),
+    ("ragged", FORMATS[1], True), ("ragged-compacted", FORMATS[1], True), ("masked", FORMATS[1], False),
+    ("ragged-compacted", FORMATS[0], False)],
+    ids=["dense-int8", "masked-int4", "compacted-int8", "ragged-int4", "ragged-compacted-int4", "masked-int4-uncentred",
+         "ragged-compacted-int8-uncentred"])
+def test_every_form_attends_as_its_dequantized_twin(form, fmt, center):
     """A question and 6 greedy tokens fit the window: logits within 1e-5 of the twin's and the same tokens (int8 and
-    int4 on both store kinds: the attention test below covers each width on each)."""
-    cache = kv.quantized(_form(form), fmt, window=16)
+    int4 on both store kinds: the attention test below covers each width on each); centred keys (the default) attend
+    as their twin with the centres added back, through the logit attention adds to the store's log-sum-exp."""
+    cache = kv.quantized(_form(form), fmt, window=16, center=center)
+    assert (cache.layers[0].key_center is None) == (not center)
     cache = answer_alike(cache, copied(_dequantized_twin(cache)), 6, atol=1e-5)
     assert int(cache.layers[0].window.lengths[0, 0]) == len(QUESTION) + 6  # nothing flushed
 
@@ -92,13 +102,15 @@ def test_attention_over_store_and_window_equals_dense_attention(ragged, bits):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("form", ["dense", "ragged"])
-def test_the_window_flushes_all_but_its_last_rows_into_the_store(form):
+@pytest.mark.parametrize("form,center", [("dense", True), ("ragged", True), ("ragged", False)])
+def test_the_window_flushes_all_but_its_last_rows_into_the_store(form, center):
     """Writes of 3, 6, 1 and 9 tokens into a window of 4: after n tokens in [window | new], all but
-    ((n - 1) mod 4) + 1 move to the store, quantized within the format's bound; the window keeps the rest exactly."""
+    ((n - 1) mod 4) + 1 move to the store, quantized within the format's bound (centred keys: less the layer's
+    key_center, which the flushes keep); the window keeps the rest exactly."""
     fmt = quant.QuantFormat(bits=4, group=4)
-    cache = kv.quantized(_form(form), fmt, window=4)
+    cache = kv.quantized(_form(form), fmt, window=4, center=center)
     layer = cache.layers[0]
+    centre = np.asarray(layer.key_center[0]) if center else np.zeros((CFG.num_kv_heads, CFG.head_dim))
     rng = np.random.default_rng(1)
     written = []  # every appended key row, in order
     store_start, window_len = np.asarray(layer.store.lengths), 0
@@ -116,7 +128,40 @@ def test_the_window_flushes_all_but_its_last_rows_into_the_store(form):
         assert np.array_equal(np.asarray(layer.store.lengths), store_start + flushed)
         for h in range(CFG.num_kv_heads):
             got, bound = _store_rows(layer.store, h, int(store_start[0, h]), flushed)
-            assert np.all(np.abs(got - rows[h, :flushed]) <= bound + 1e-6)
+            assert np.all(np.abs(got - (rows[h, :flushed] - centre[h])) <= bound + 1e-5)
+
+
+def test_centred_keys_spend_int4_levels_on_every_channel_not_on_an_offset_one():
+    """Keys with one channel near -355 on every token (Qwen2.5-Coder-1.5B's layer 0, from its key bias): per-token
+    int4 spends its levels on it and random queries' logits err by units; centred per channel first, the logits err
+    by less than a twentieth of that. key_center is the midpoint of each channel's range over the head's visible pairs
+    (an evicted outlier is ignored) in bf16, the same for the ragged form of the cache, 0 for a head with none."""
+    rng = np.random.default_rng(2)
+    B, K, C, H = 1, 3, 32, 16
+    k = rng.normal(size=(B, K, C, H)).astype(np.float32)
+    k[..., 3] += -355 + rng.uniform(-3, 3, size=(B, K, C))
+    k[0, 1, 5, 7] = 1e4  # evicted below
+    keep = np.ones((B, K, C), bool)
+    keep[0, 1, 5] = False
+    lengths = jnp.asarray([[30, 30, 0]], jnp.int32)  # head 2 holds nothing
+    layer = kv.LayerCache(k=jnp.asarray(k), v=jnp.asarray(rng.normal(size=(B, K, C, H)), jnp.float32),
+                          lengths=lengths, keep=jnp.asarray(keep))
+    cache = kv.KVCache((layer,), jnp.array([30]))
+    q = rng.normal(size=(64, H)).astype(np.float32)
+    visible = np.asarray(kv.visible_slots(layer))
+    errors = {}
+    for center in (False, True):
+        quantized = kv.quantized(cache, quant.QuantFormat(bits=4, group=16), center=center)
+        got = np.asarray(_dequantized_twin(quantized).layers[0].k)
+        errors[center] = np.abs(np.einsum("qh,bkch->bkcq", q, got - k))[visible].mean()
+    assert errors[True] < errors[False] / 20 and errors[False] > 5, errors
+    masked = np.where(visible[..., None], k, np.nan)
+    want = np.nan_to_num((np.nanmax(masked, axis=2) + np.nanmin(masked, axis=2)) / 2)  # [B, K, H]; head 2: 0
+    centres = kv.quantized(cache, quant.QuantFormat(bits=4, group=16)).layers[0].key_center
+    assert centres.dtype == jnp.bfloat16  # the format's scale dtype
+    np.testing.assert_allclose(np.asarray(centres, np.float32), want, rtol=2 ** -8, atol=0)
+    ragged = kv.quantized(kv.pack(cache, 8), quant.QuantFormat(bits=4, group=16)).layers[0].key_center
+    np.testing.assert_array_equal(np.asarray(ragged), np.asarray(centres))
 
 
 def _store_rows(store, head: int, start: int, count: int):
@@ -187,18 +232,24 @@ def test_room_counts_what_the_store_takes_in_flushes():
 
 
 def test_bytes_of_kvzip_at_0_3_with_int4_are_below_0_085_of_the_bf16_cache():
-    """Head dim 64, group 64, bf16 scales and zero points: the kept pairs cost 0.28125x their bf16 bytes."""
+    """Head dim 64, group 64, bf16 scales and zero points: the kept pairs cost 0.28125x their bf16 bytes, and the
+    key centres one bf16 per channel and KV head (what a context of 1,024 tokens carries under the bar)."""
     cfg = dataclasses.replace(CFG, head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=64)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), init_params(cfg, seed=0, scale=0.1))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 200).astype(np.int32)
-    full = gen.prefill(params, cfg, [tokens], capacity=256)[1]  # all context (a prefix would be kept whole)
+    T = 1024
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, T).astype(np.int32)
+    full = gen.prefill(params, cfg, [tokens], capacity=T)[1]  # all context (a prefix would be kept whole)
     assert full.layers[0].k.dtype == jnp.bfloat16
-    scores = jnp.asarray(np.random.default_rng(1).random((cfg.num_layers, 1, cfg.num_kv_heads, 200)), jnp.float32)
-    masked = kv.mask_context(full, keep_mask(scores, jnp.array([200]), 0.3), jnp.array([0]), jnp.array([200]))
+    scores = jnp.asarray(np.random.default_rng(1).random((cfg.num_layers, 1, cfg.num_kv_heads, T)), jnp.float32)
+    masked = kv.mask_context(full, keep_mask(scores, jnp.array([T]), 0.3), jnp.array([0]), jnp.array([T]))
     int4 = kv.quantized(kv.pack(masked, 0), quant.QuantFormat(bits=4, group=64))
     ratio = kv.used_bytes(int4) / kv.used_bytes(full)
     assert ratio <= 0.085, ratio
-    assert kv.used_bytes(kv.quantized(full, quant.QuantFormat(bits=4, group=64))) / kv.used_bytes(full) == 0.28125
+    centres = cfg.num_layers * cfg.num_kv_heads * 64 * 2
+    uncentred = kv.quantized(kv.pack(masked, 0), quant.QuantFormat(bits=4, group=64), center=False)
+    assert kv.used_bytes(int4) - kv.used_bytes(uncentred) == centres
+    quantized_full = kv.used_bytes(kv.quantized(full, quant.QuantFormat(bits=4, group=64)))
+    assert (quantized_full - centres) / kv.used_bytes(full) == 0.28125
 
 
 @pytest.mark.parametrize("ragged", [True, False])
@@ -226,6 +277,8 @@ def test_jit_equals_eager_and_misuse_is_named():
     jitted = jax.jit(kv.quantized, static_argnums=(1, 2))(cache, fmt, 8)
     for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ragged = kv.quantized(_form("ragged"), fmt, 8)
+    chex.assert_trees_all_equal(jax.jit(kv.quantized, static_argnums=(1, 2))(_form("ragged"), fmt, 8), ragged)
     with pytest.raises(TypeError, match="quantize after compressing"):
         kv.pack(eager, 8)
     with pytest.raises(TypeError, match="quantized already"):

@@ -128,7 +128,7 @@ def quantized(args: argparse.Namespace, cache):
         fmt.group_for(cache.layers[0].k.shape[-1])
     except ValueError as e:
         args.subparser.error(f"--kv-group: {e}")
-    return kv.quantized(cache, fmt, args.kv_window)
+    return kv.quantized(cache, fmt, args.kv_window, args.kv_center)
 
 
 def kv_bits(cache) -> int | None:

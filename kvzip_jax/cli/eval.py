@@ -46,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
                              instruction=instruction, self_study=args.self_study,
                              self_study_samples=args.self_study_samples, self_study_tokens=args.self_study_tokens,
                              kv_bits=kv_bits, kv_group=args.kv_group, kv_window=args.kv_window,
+                             kv_center=args.kv_center,
                              **({} if args.query_cap is None else {"query_cap": args.query_cap}))
     except ValueError as e:
         args.subparser.error(str(e))
@@ -161,6 +162,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kv-group", type=int, default=64, help="--kv-bits 8 / 4: elements per scale and zero point")
     parser.add_argument("--kv-window", type=int, default=options.KV_WINDOW, help="--kv-bits 8 / 4: recent tokens "
                         "kept at full precision")
+    options.add_kv_center(parser)
     parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
     parser.add_argument("--instruction", default="kvzip", help="text that opens every user message before the "
                         'context, in the never-evicted prefix: "kvzip" (default) for '

@@ -3,6 +3,8 @@ chunk, the task instruction, KV quantization (--kv-bits), and the runtime (--dty
 
 from __future__ import annotations
 
+import argparse
+
 from kvzip_jax import dtypes
 from kvzip_jax.prompts import KVZIP_INSTRUCTION, named_instruction
 from pallas_kernels.dispatch import IMPLS
@@ -65,6 +67,13 @@ def add_kv_bits(parser, saved: bool = False) -> None:
                         "point (the head dim when it is smaller)")
     parser.add_argument("--kv-window", type=int, default=KV_WINDOW, help="--kv-bits 8 / 4: recent tokens (the "
                         "questions and answers) kept at full precision before they are quantized")
+    add_kv_center(parser)
+
+
+def add_kv_center(parser) -> None:
+    parser.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=True, help="--kv-bits 8 / 4: "
+                        "centre each head's keys per channel before quantizing them (exact; default on: a channel "
+                        "far from 0 on every token would otherwise spend the levels of its group)")
 
 
 def kv_format(args):

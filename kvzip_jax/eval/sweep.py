@@ -81,6 +81,7 @@ class SweepConfig:
     kv_bits: tuple[int, ...] = (16,)  # every cache answers at each: 16 the model's dtype, 8 / 4 quantized kept pairs
     kv_group: int = 64  # elements per scale of the quantized pairs (the head dim when smaller)
     kv_window: int = kv.WINDOW  # recent tokens at full precision in a quantized cache
+    kv_center: bool = True  # quantized keys centred per channel first (cache.quantized)
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(METHODS))
@@ -123,8 +124,12 @@ class SweepConfig:
                     **({"self_study": dict(samples=self.self_study_samples, max_new_tokens=self.self_study_tokens)}
                        if self.self_study else {}),
                     **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}),
-                    **({"kv_quant": dict(group=self.kv_group, window=self.kv_window)}
-                       if (self.kv_group, self.kv_window) != (64, kv.WINDOW) else {}))
+                    **({"kv_quant": self._kv_settings()} if self._kv_settings() else {}))
+
+    def _kv_settings(self) -> dict:
+        """The quantization options that differ from the defaults of results made before keys were centred."""
+        return {**(dict(group=self.kv_group, window=self.kv_window) if (self.kv_group, self.kv_window) != (64, kv.WINDOW)
+                   else {}), **({"center": True} if self.quantizes and self.kv_center else {})}
 
 
 def example_hash(ex: Example) -> str:
@@ -403,7 +408,7 @@ class Sweep:
     def _answer_quantized(self, batch: Batch, key: tuple, cache: kv.KVCache, asked, full) -> None:
         """Records the answers of `cache` with its kept pairs quantized to key's kv bits (cache.quantized)."""
         start = time.perf_counter()
-        quantized = kv.quantized(cache, self.config.kv_format(key[-1]), self.config.kv_window)
+        quantized = kv.quantized(cache, self.config.kv_format(key[-1]), self.config.kv_window, self.config.kv_center)
         got = self._compressed_answers(batch, quantized, asked, full)
         self._record(batch, key, got, full, time.perf_counter() - start,
                      kv.row_bytes(quantized, placement.to_host))

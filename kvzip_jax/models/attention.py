@@ -315,6 +315,15 @@ def _resumed(q, out, lse, subset_lse, scale: float):
     return _rows(q, scale), (m, jnp.ones_like(m), acc, jnp.exp(subset_lse.reshape(B, K, G * T) - m))
 
 
+def shifted(out, lse, subset_lse, shift):
+    """blocked_attention's result with every logit it saw raised by shift [B, K, G, T] (one per query row; None: no
+    change): out is unchanged, the log-sum-exps move by shift (rows that saw no key stay MASK_VALUE)."""
+    if shift is None:
+        return out, lse, subset_lse
+    move = lambda x: jnp.where(x > MASK_VALUE / 2, x + shift, x)
+    return out, move(lse), move(subset_lse)
+
+
 def then_window(q, out, lse, subset_lse, k, v, first_slot, filled, query_slots, window: int | None, scale: float,
                 latent_keys: bool = False):
     """blocked_attention over [a cache | a window of keys after it] from its result over the cache alone (out, lse,

@@ -115,6 +115,8 @@ def _latent_attention(q, layer_cache, query_slots, window, scale: float, shared:
     if isinstance(layer_cache, kv.QuantizedLayerCache):
         store = layer_cache.store
         cached = _latent_attention_parts(q, store, query_slots, window, scale, shared)
+        q_keys = q[..., store.v.shape[-1]:] if shared else q  # what meets the cache's k: shared, its RoPE part
+        cached = attention.shifted(*cached, layer_cache.center_logits(q_keys, scale))
         return attention.then_window(q, *cached, layer_cache.window.k, layer_cache.window.v, store.lengths,
                                      layer_cache.window.lengths, query_slots, window, scale, latent_keys=shared)[0]
     return _latent_attention_parts(q, layer_cache, query_slots, window, scale, shared)[0]

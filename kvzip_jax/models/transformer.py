@@ -172,7 +172,8 @@ class Block(nn.Module):
 
 def _quantized_attention(q, layer: kv.QuantizedLayerCache, query_slots, window, scale: float, kernel_impl=None):
     """Attention over a quantized layer holding this step's keys: its store (dequantized block by block, by the decode
-    kernels when kernel_impl is given), then its full-precision window -> out [B, T, K, G, H]."""
+    kernels when kernel_impl is given; centred keys get their centre's logit back), then its full-precision window
+    -> out [B, T, K, G, H]."""
     store = layer.store
     if kernel_impl is not None:  # a decode step: the store's tokens all precede the new one (kept in the window)
         B, T, K, G, H = q.shape
@@ -191,6 +192,7 @@ def _quantized_attention(q, layer: kv.QuantizedLayerCache, query_slots, window, 
     else:
         cached = attention.blocked_attention(q, store.k, store.v, store.lengths, None, None, query_slots, window, scale,
                                              store.keep, key_bias=store.bias)
+    cached = attention.shifted(*cached, layer.center_logits(q, scale))
     return attention.then_window(q, *cached, layer.window.k, layer.window.v, store.lengths, layer.window.lengths,
                                  query_slots, window, scale)[0]
 

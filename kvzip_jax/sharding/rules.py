@@ -79,7 +79,9 @@ def _map_cache(cache: kv.KVCache, fn) -> kv.KVCache:
 
     def layer(lc):
         if isinstance(lc, kv.QuantizedLayerCache):
-            return kv.QuantizedLayerCache(store=layer(lc.store), window=layer(lc.window))
+            heads = None if isinstance(lc.store, kv.RaggedLayerCache) else TENSOR  # key_center [B, K, W] as the store
+            return kv.QuantizedLayerCache(store=layer(lc.store), window=layer(lc.window),
+                                          key_center=on(lc.key_center, (DATA, heads, None)))
         if isinstance(lc, kv.RaggedLayerCache):  # per-head segments of data-dependent size: only rows are split
             row = lambda x: on(x, (DATA,) + (None,) * (x.ndim - 1 if x is not None else 0))
             return kv.RaggedLayerCache(k=row(lc.k), v=row(lc.v), lengths=row(lc.lengths), offsets=row(lc.offsets),
