@@ -222,8 +222,8 @@ def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), wind
     """The cache with every layer's stored pairs quantized in fmt (per token, groups along the head dim) and an empty
     full-precision window of `window` tokens per KV head for what is appended next; keep masks, offsets and biases
     (float32) are kept as they are. center: each head's keys are first centred per channel on the midpoint of their
-    visible pairs' range, rounded to the scale dtype (key_center; exact: attention adds the centre's logit back). Any form (dense, masked,
-    compacted, ragged); jittable."""
+    visible pairs' range, rounded to the scale dtype (key_center; exact: attention adds the centre's logit back).
+    Any form (dense, masked, compacted, ragged); jittable."""
     if fmt.along != "head_dim":
         raise ValueError("a cache quantizes its pairs per token (along='head_dim'); per-channel (KIVI) keys need "
                          "token groups that flushes of the window would split")

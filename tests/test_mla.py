@@ -125,8 +125,8 @@ def test_the_absorbed_form_equals_the_naive_one(one):
 
 def test_every_cache_form_holds_latents(one):
     """Masked, ragged (one segment per layer: the latent is one 'KV head') and quantized MLA caches (int8 with its RoPE
-    keys centred, the default, and uncentred) answer as the dense one does: greedy tokens equal; the ragged and int8 ones with
-    logits within 1e-4 and 5e-2."""
+    keys centred, the default, and uncentred) answer as the dense one does: greedy tokens equal; the ragged and int8
+    ones with logits within 1e-4 and 5e-2."""
     _, cfg, params = one
     tokens = _tokens(cfg, 1, 24, seed=3)
     logits, dense = gen.prefill(params, cfg, tokens, capacity=64)

@@ -124,12 +124,13 @@ class SweepConfig:
                     **({"self_study": dict(samples=self.self_study_samples, max_new_tokens=self.self_study_tokens)}
                        if self.self_study else {}),
                     **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}),
-                    **({"kv_quant": self._kv_settings()} if self._kv_settings() else {}))
+                    **({"kv_quant": kv_quant} if (kv_quant := self._kv_settings()) else {}))
 
     def _kv_settings(self) -> dict:
         """The quantization options that differ from the defaults of results made before keys were centred."""
-        return {**(dict(group=self.kv_group, window=self.kv_window) if (self.kv_group, self.kv_window) != (64, kv.WINDOW)
-                   else {}), **({"center": True} if self.quantizes and self.kv_center else {})}
+        layout = (self.kv_group, self.kv_window) != (64, kv.WINDOW)
+        return {**(dict(group=self.kv_group, window=self.kv_window) if layout else {}),
+                **({"center": True} if self.quantizes and self.kv_center else {})}
 
 
 def example_hash(ex: Example) -> str:
