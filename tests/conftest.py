@@ -10,15 +10,18 @@ model not yet converted is converted there, in a subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import jax
 import pytest
 
+import kvzip_jax.weights.gguf
 from kvzip_jax.eval.host_memory import release_freed
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.checkpoint import is_checkpoint
@@ -231,6 +234,29 @@ def qwen_large_gguf() -> Path:
 def gemma_gguf() -> Path:
     """Gemma 3 270M base, Q4_K_M (gemma3 architecture)."""
     return _bundled_gguf(registry.GEMMA)
+
+
+@contextlib.contextmanager
+def one_parse_per_gguf():
+    """Within this block each GGUF file is parsed once and its reader shared. transformers parses a GGUF twice per
+    model load (config, then weights) and our converter once more, each with the gguf package's GGUFReader (12 s for
+    Qwen's 151,936-token vocabulary on 2 cores): the same parse on every side, so sharing it changes no value either
+    side computes. A reader is a read-only view of the file."""
+    readers = {}
+    parse, open_gguf = gguf.GGUFReader, kvzip_jax.weights.gguf.open_gguf
+
+    def sharing(read):
+        def shared(path):
+            key = os.path.realpath(path)
+            if key not in readers:
+                readers[key] = read(path)
+            return readers[key]
+        return shared
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", sharing(parse))  # transformers imports it from gguf at each load
+        patch.setattr(kvzip_jax.weights.gguf, "open_gguf", sharing(open_gguf))
+        yield
 
 
 def tokenizer_folder(name: str) -> Path:

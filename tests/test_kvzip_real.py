@@ -17,7 +17,7 @@ from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, prompts
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.gguf import params_from_gguf
-from tests.conftest import bundled_tokenizer
+from tests.conftest import bundled_tokenizer, one_parse_per_gguf
 
 DOCUMENT = (Path(__file__).resolve().parents[1] / "kvzip_jax" / "data" / "demo_document.txt").read_text()
 CHUNK = 512
@@ -66,11 +66,12 @@ def smollm2(smollm2_gguf):
     tok = bundled_tokenizer(registry.SMOLLM2)
     context_ids = prompts.encode_text(tok, DOCUMENT)[:1500]
     prompt, _ = prompts.split_for_reuse(tok, tok.decode(context_ids), [])
-    cfg, params = params_from_gguf(smollm2_gguf)
+    with one_parse_per_gguf():
+        cfg, params = params_from_gguf(smollm2_gguf)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="kvzip_probe")
     params = jax.tree.map(jnp.asarray, params)
     _, cache = gen.prefill(params, cfg, [prompt.ids()[:prompt.context_end]])
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="kvzip_probe")
     with torch.no_grad():
         out = model(torch.tensor(prompt.ids()[None, :prompt.context_end], dtype=torch.long), use_cache=True)
     return tok, prompt, cfg, params, cache, model, out.past_key_values

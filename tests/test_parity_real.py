@@ -14,7 +14,7 @@ from kvzip_jax.eval.host_memory import release_freed
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.gguf import params_from_gguf
 from kvzip_jax.weights.hf import params_from_hf
-from tests.conftest import bundled_tokenizer, drop_compiled_and_freed
+from tests.conftest import bundled_tokenizer, drop_compiled_and_freed, one_parse_per_gguf
 
 DOCUMENT = (Path(__file__).resolve().parents[1] / "kvzip_jax" / "data" / "demo_document.txt").read_text()
 LOGIT_TOL = 2e-3
@@ -84,12 +84,14 @@ def _check_one_model_at_a_time(gguf_path: Path, tokens: np.ndarray, **expected_c
     load of the GGUF: one model in memory at a time (a 0.5B model in float32 is 2.5 GB on either side), from a
     process that holds no earlier test's compiled programs."""
     drop_compiled_and_freed()
-    cfg, params = _ours(gguf_path)
-    assert {key: getattr(cfg, key) for key in expected_config} == expected_config
-    ours = _our_outputs(cfg, params, tokens)
-    del params
-    release_freed()
-    _compare(ours, _oracle_outputs(_oracle(gguf_path), tokens), cfg.architecture, tokens.size)
+    with one_parse_per_gguf():
+        cfg, params = _ours(gguf_path)
+        assert {key: getattr(cfg, key) for key in expected_config} == expected_config
+        ours = _our_outputs(cfg, params, tokens)
+        del params
+        release_freed()
+        oracle = _oracle(gguf_path)
+    _compare(ours, _oracle_outputs(oracle, tokens), cfg.architecture, tokens.size)
 
 
 # Gemma and Qwen first: they run before the module's SmolLM2 fixture exists, one model in memory at a time.
@@ -120,8 +122,9 @@ def test_qwen_coder_1_5b_matches_with_head_dim_128_and_gqa_6(qwen_large_gguf):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_gguf):
-    cfg, params = _ours(smollm2_gguf)
-    return _oracle(smollm2_gguf), cfg, params, bundled_tokenizer(registry.SMOLLM2)
+    with one_parse_per_gguf():
+        cfg, params = _ours(smollm2_gguf)
+        return _oracle(smollm2_gguf), cfg, params, bundled_tokenizer(registry.SMOLLM2)
 
 
 def test_smollm2_logits_and_kv_match_on_three_prompts(smollm2):
