@@ -205,7 +205,7 @@ def decode_step(params, cfg: ModelConfig, cache: kv.KVCache, steps: int) -> floa
     """Seconds per token of forward_step on `cache` (donated and threaded through `steps` tokens)."""
     B = cache.batch_size
     token, one = jnp.zeros((B, 1), jnp.int32), jnp.ones((B,), jnp.int32)
-    cache = jax.tree.map(jnp.copy, cache)
+    cache = gen.on_params_device(jax.tree.map(jnp.copy, cache), params)  # else the second step compiles again
     _, cache = gen.forward_step(params, token, one, cache, cfg)  # compile
     jax.block_until_ready(cache)
     start = time.perf_counter()
@@ -243,7 +243,8 @@ def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: 
     ids = rng.integers(0, cfg.vocab_size, (batch, tokens)).astype(np.int32)
     capacity = gen.capacity_for(tokens + 64, cfg)
     dtype = params["embed"].dtype
-    run_prefill = lambda: gen.prefill(params, cfg, ids, kv.init_cache(cfg, batch, capacity, dtype))
+    run_prefill = lambda: gen.prefill(params, cfg, ids,
+                                      gen.on_params_device(kv.init_cache(cfg, batch, capacity, dtype), params))
     prefill_s = timed(run_prefill, repeats=1)
     _, cache = run_prefill()
     reread = reread_inputs(cfg, batch, tokens, chunk)

@@ -51,6 +51,15 @@ def append_tokens(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, 
 forward_step = jax.jit(append_tokens, donate_argnames=("cache",), static_argnames=("logits",))
 
 
+def on_params_device(cache: kv.KVCache, params) -> kv.KVCache:
+    """cache committed to the one device its params are committed to (else as given). jit keys its programs on
+    whether each argument is committed and a step's output cache is: a fresh, uncommitted cache would compile the
+    step once for the first chunk and again for every later one of the same width."""
+    leaf = jax.tree.leaves(params)[0]
+    devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) and leaf.committed else set()
+    return jax.device_put(cache, next(iter(devices))) if len(devices) == 1 else cache
+
+
 def _as_rows(tokens) -> list[np.ndarray]:
     if isinstance(tokens, (np.ndarray, jax.Array)) and np.ndim(tokens) == 1:
         tokens = [tokens]
@@ -82,8 +91,9 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
                                   f"{cfg.max_position}")
     if cache is None:
         need = int(lengths.max())
-        cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg),
-                              dtypes.of_params(params))
+        cache = on_params_device(kv.init_cache(
+            cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg), dtypes.of_params(params)),
+            params)
     room = to_host(cache.room())  # [B]
     if np.any(lengths > room):
         raise ContextTooLongError(f"{int(lengths.max())} new tokens exceed the cache's capacity: room for "

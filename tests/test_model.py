@@ -222,6 +222,16 @@ def test_new_length_in_same_bucket_does_not_recompile(tiny):
     assert gen.forward_step._cache_size() == compiled
 
 
+def test_chunks_of_one_width_compile_the_step_once_with_params_committed_to_a_device(tiny):
+    """Params loaded from a checkpoint are committed to their device; the fresh cache goes there too, else the first
+    chunk (uncommitted cache) and the later ones (the step's committed output) compile the same step twice."""
+    _, _, cfg, params = tiny
+    params = jax.device_put(params, jax.devices()[0])
+    compiled = gen.forward_step._cache_size()
+    gen.prefill(params, cfg, _tokens(cfg, 1, 96, seed=7), capacity=256, chunk=32)  # three chunks of width 32
+    assert gen.forward_step._cache_size() == compiled + 1
+
+
 def test_bad_input_fails_early_with_named_errors(tiny):
     _, _, cfg, params = tiny
     with pytest.raises(EmptyInputError):
