@@ -43,7 +43,8 @@ def _context(tok, limit: int) -> np.ndarray:
 def _next_tokens(params, cfg, tokens, chunk: int = 416) -> np.ndarray:
     """Teacher-forced argmax next token at every position, chunk by chunk over one cache (the logits of one chunk,
     [chunk, V] float32, never those of the whole text at once; the last chunk right-padded to the same shape)."""
-    cache = gen.kv.init_cache(cfg, 1, gen.capacity_for(len(tokens) + chunk, cfg), dtypes.of_params(params))
+    cache = gen.on_params_device(
+        gen.kv.init_cache(cfg, 1, gen.capacity_for(len(tokens) + chunk, cfg), dtypes.of_params(params)), params)
     predicted = []
     for start in range(0, len(tokens), chunk):
         piece = tokens[start:start + chunk]
