@@ -243,8 +243,7 @@ def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: 
     ids = rng.integers(0, cfg.vocab_size, (batch, tokens)).astype(np.int32)
     capacity = gen.capacity_for(tokens + 64, cfg)
     dtype = params["embed"].dtype
-    run_prefill = lambda: gen.prefill(params, cfg, ids,
-                                      gen.on_params_device(kv.init_cache(cfg, batch, capacity, dtype), params))
+    run_prefill = lambda: gen.prefill(params, cfg, ids, kv.init_cache(cfg, batch, capacity, dtype))
     prefill_s = timed(run_prefill, repeats=1)
     _, cache = run_prefill()
     reread = reread_inputs(cfg, batch, tokens, chunk)

@@ -52,12 +52,15 @@ forward_step = jax.jit(append_tokens, donate_argnames=("cache",), static_argname
 
 
 def on_params_device(cache: kv.KVCache, params) -> kv.KVCache:
-    """cache committed to the one device its params are committed to (else as given). jit keys its programs on
-    whether each argument is committed and a step's output cache is: a fresh, uncommitted cache would compile the
-    step once for the first chunk and again for every later one of the same width."""
+    """An uncommitted cache committed to the one device its params are committed to (a committed cache, or params
+    on several devices or none: as given). jit keys its programs on whether each argument is committed, and a step's
+    output cache is: an uncommitted fresh cache would compile the step once for the first chunk and again for every
+    later one of the same width."""
     leaf = jax.tree.leaves(params)[0]
     devices = leaf.sharding.device_set if isinstance(leaf, jax.Array) and leaf.committed else set()
-    return jax.device_put(cache, next(iter(devices))) if len(devices) == 1 else cache
+    if len(devices) != 1 or jax.tree.leaves(cache)[0].committed:
+        return cache
+    return jax.device_put(cache, next(iter(devices)))
 
 
 def _as_rows(tokens) -> list[np.ndarray]:
@@ -77,7 +80,8 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
 
     With no cache, a fresh one (in the params' dtype) is made with capacity `capacity` or the bucket of the longest
     row plus `reserve` (room for questions and answers). Appending to an existing cache is multi-turn: positions continue.
-    The given cache is donated (its arrays are consumed). on_chunk(done, total): called after each chunk with the
+    The given cache is donated (its arrays are consumed) and, uncommitted, goes to the params' device (on_params_device).
+    on_chunk(done, total): called after each chunk with the
     tokens of the longest row fed so far (a progress bar).
     """
     rows = _as_rows(tokens)
@@ -91,9 +95,9 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
                                   f"{cfg.max_position}")
     if cache is None:
         need = int(lengths.max())
-        cache = on_params_device(kv.init_cache(
-            cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg), dtypes.of_params(params)),
-            params)
+        cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg),
+                              dtypes.of_params(params))
+    cache = on_params_device(cache, params)
     room = to_host(cache.room())  # [B]
     if np.any(lengths > room):
         raise ContextTooLongError(f"{int(lengths.max())} new tokens exceed the cache's capacity: room for "
