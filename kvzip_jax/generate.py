@@ -79,10 +79,10 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
     """Appends token rows (a list of sequences, or [B, T]) to cache in chunks; returns (last_logits [B, V], cache).
 
     With no cache, a fresh one (in the params' dtype) is made with capacity `capacity` or the bucket of the longest
-    row plus `reserve` (room for questions and answers). Appending to an existing cache is multi-turn: positions continue.
-    The given cache is donated (its arrays are consumed) and, uncommitted, goes to the params' device (on_params_device).
-    on_chunk(done, total): called after each chunk with the
-    tokens of the longest row fed so far (a progress bar).
+    row plus `reserve` (room for questions and answers). Appending to an existing cache is multi-turn: positions
+    continue. The given cache is donated (its arrays are consumed); an uncommitted one goes to the params' device
+    first (on_params_device). on_chunk(done, total): called after each chunk with the tokens of the longest row fed
+    so far (a progress bar).
     """
     rows = _as_rows(tokens)
     lengths = np.array([row.size for row in rows], np.int32)  # [B]
