@@ -412,3 +412,9 @@ def test_kv_bits_quantize_every_cache_and_the_report_plots_score_against_bytes(m
     assert centred.settings(model)["kv_quant"] == {**config.settings(model)["kv_quant"], "center": True}
     assert "kv_quant" not in dataclasses.replace(config, kv_group=64).settings(model)
     assert "kv_quant" not in dataclasses.replace(centred, kv_group=64, kv_bits=(16,)).settings(model)
+    # Default groups (int4 in 16s since studies/kv_quant_after_eviction) are recorded for every width, whatever the
+    # sweep's widths: a grid grown by a width keeps its settings; a sweep that quantizes nothing records none.
+    default = dataclasses.replace(centred, kv_group=None)
+    assert default.settings(model)["kv_quant"]["group"] == {"8": 64, "4": 16}
+    assert default.settings(model) == dataclasses.replace(default, kv_bits=(16, 8, 4)).settings(model)
+    assert "kv_quant" not in dataclasses.replace(default, kv_bits=(16,)).settings(model)

@@ -166,6 +166,17 @@ def test_kv_retrieval_answers_are_the_values_of_the_asked_keys(examples):
             assert pairs[key] == value
 
 
+def test_key_numbers_ask_for_the_number_after_each_asked_key(examples):
+    corpus = set(haystack.sentences())
+    for example in examples["key_numbers"]:
+        lines = re.findall(r"\b([a-z]{6}): (\d{3})\b", example.context)
+        assert len(lines) == 8 and len(dict(lines)) == 8 and len({n for _, n in lines}) == 8, example.id
+        for question, (number,) in zip(example.questions, example.answers):
+            assert dict(lines)[re.search(r"'([a-z]{6}):'", question).group(1)] == number
+        prose = re.sub(r"\b[a-z]{6}: \d{3} ?", "", example.context)  # what is left is corpus text
+        assert all(s in corpus for s in haystack.split_sentences(prose)), example.id
+
+
 def test_prefix_suffix_identifies_exactly_one_string(examples):
     for example in examples["prefix_suffix"]:
         lines = example.context.split("\n")

@@ -85,6 +85,16 @@ def test_jit_equals_eager_and_a_zero_row_stays_zero():
     assert np.isfinite(back).all()
 
 
+def test_default_groups_give_int4_four_scales_per_head_of_64_and_int8_one():
+    """int4 in groups of 64 lost exact retrieval on Qwen2.5-Coder-0.5B (studies/kv_quant_after_eviction); an explicit
+    group is kept as given."""
+    assert quant.QuantFormat().group == quant.QuantFormat(bits=4).group == 16
+    assert quant.QuantFormat(bits=8).group == 64
+    assert quant.QuantFormat(bits=4, group=64).group == 64
+    q = quant.quantize(jnp.ones((3, 64)), quant.QuantFormat())
+    assert q.format == quant.QuantFormat(bits=4) and q.nbytes == 3 * (32 + 4 * 2 * 2)
+
+
 def test_bad_formats_are_named():
     with pytest.raises(ValueError, match="bits"):
         quant.QuantFormat(bits=3)

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot or args.html:
         _pictures(args, model, masked, context)
     print(f"KV cache bytes: full {common.cache_bytes(cache)}")
-    bits = "" if args.kv_bits == 16 else f", int{args.kv_bits} in groups of {args.kv_group}"
+    fmt = options.kv_format(args)
+    bits = "" if fmt is None else f", int{fmt.bits} in groups of {min(fmt.group, model.cfg.head_dim)}"
     print(f"KV cache bytes: compressed {common.cache_bytes(compressed)} (ragged{bits}, room for "
           f"{int(compressed.room().min())} more tokens)")
     del cache, masked

@@ -159,7 +159,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kv-bits", default="16", help="comma-separated bits of the kept keys and values: every cache "
                         "answers at each (16: the model's dtype; 8, 4: quantized per token in groups; the full cache "
                         "quantized is quantization alone); the report plots score against bytes")
-    parser.add_argument("--kv-group", type=int, default=64, help="--kv-bits 8 / 4: elements per scale and zero point")
+    parser.add_argument("--kv-group", type=int, default=None, help="--kv-bits 8 / 4: elements per scale and zero "
+                        "point (default 64 for int8, 16 for int4)")
     parser.add_argument("--kv-window", type=int, default=options.KV_WINDOW, help="--kv-bits 8 / 4: recent tokens "
                         "kept at full precision")
     options.add_kv_center(parser)

@@ -63,8 +63,8 @@ def add_kv_bits(parser, saved: bool = False) -> None:
     parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None if saved else 16,
                         help=f"bits of the kept keys and values: 16 keeps the model's dtype, 8 and 4 quantize them "
                              f"per token in groups ({note})")
-    parser.add_argument("--kv-group", type=int, default=64, help="--kv-bits 8 / 4: elements per scale and zero "
-                        "point (the head dim when it is smaller)")
+    parser.add_argument("--kv-group", type=int, default=None, help="--kv-bits 8 / 4: elements per scale and zero "
+                        "point (default 64 for int8, 16 for int4; the head dim when it is smaller)")
     parser.add_argument("--kv-window", type=int, default=KV_WINDOW, help="--kv-bits 8 / 4: recent tokens (the "
                         "questions and answers) kept at full precision before they are quantized")
     add_kv_center(parser)

@@ -79,7 +79,7 @@ class SweepConfig:
     self_study_tokens: int = 64  # most tokens of a self-study answer
     query_cap: int = QUERY_CAP  # most reference rows per KV head and layer, all sources
     kv_bits: tuple[int, ...] = (16,)  # every cache answers at each: 16 the model's dtype, 8 / 4 quantized kept pairs
-    kv_group: int = 64  # elements per scale of the quantized pairs (the head dim when smaller)
+    kv_group: int | None = None  # elements per scale of the quantized pairs (None: quant.DEFAULT_GROUP per width)
     kv_window: int = kv.WINDOW  # recent tokens at full precision in a quantized cache
     kv_center: bool = True  # quantized keys centred per channel first (cache.quantized)
 
@@ -127,10 +127,15 @@ class SweepConfig:
                     **({"kv_quant": kv_quant} if (kv_quant := self._kv_settings()) else {}))
 
     def _kv_settings(self) -> dict:
-        """The quantization options that differ from the defaults of results made before keys were centred."""
-        layout = (self.kv_group, self.kv_window) != (64, kv.WINDOW)
-        return {**(dict(group=self.kv_group, window=self.kv_window) if layout else {}),
-                **({"center": True} if self.quantizes and self.kv_center else {})}
+        """The quantization options that differ from those of results made before keys were centred (groups of 64
+        at every width, a window of 128, no centres); none where nothing is quantized. Default groups are recorded
+        for every width, so that a sweep grown by a width keeps its settings."""
+        if not self.quantizes:
+            return {}
+        groups = self.kv_group if self.kv_group is not None else {str(b): g for b, g in quant.DEFAULT_GROUP.items()}
+        layout = (groups, self.kv_window) != (64, kv.WINDOW)
+        return {**(dict(group=groups, window=self.kv_window) if layout else {}),
+                **({"center": True} if self.kv_center else {})}
 
 
 def example_hash(ex: Example) -> str:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 BITS = (8, 4)
+DEFAULT_GROUP = {8: 64, 4: 16}  # elements per scale when none is given (int4: four scales per head of 64)
 SCALE_DTYPES = ("bfloat16", "float16")
 ALONG = ("head_dim", "tokens")
 
@@ -28,18 +29,20 @@ ALONG = ("head_dim", "tokens")
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class QuantFormat:
-    """bits: 8 or 4; group: elements per scale (it must divide the grouped axis); scale_dtype: of the scales and
-    zero points; along: head_dim (groups along the last axis, per token: QServe) or tokens (per channel, groups along
-    the second to last axis: KIVI's keys)."""
+    """bits: 8 or 4; group: elements per scale (it must divide the grouped axis; None: DEFAULT_GROUP[bits]);
+    scale_dtype: of the scales and zero points; along: head_dim (groups along the last axis, per token: QServe) or
+    tokens (per channel, groups along the second to last axis: KIVI's keys)."""
 
     bits: int = 4
-    group: int = 64
+    group: int | None = None
     scale_dtype: str = "bfloat16"
     along: str = "head_dim"
 
     def __post_init__(self):
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {self.bits}")
+        if self.group is None:
+            object.__setattr__(self, "group", DEFAULT_GROUP[self.bits])
         if self.group < 2 or self.group % 2:
             raise ValueError(f"group must be an even number >= 2, got {self.group}")
         if self.scale_dtype not in SCALE_DTYPES:

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvzip_jax.eval.tasks import (
     haystack,
+    key_numbers,
     kv_retrieval,
     multi_needle,
     niah,
@@ -30,7 +31,7 @@ from kvzip_jax.eval.tasks.jsonl import load_jsonl
 __all__ = ["TASKS", "Example", "generate", "load_jsonl"]
 
 TASKS = {module.TASK: module.generate for module in (niah, passkey, kv_retrieval, multi_needle, variable_tracking,
-                                                     prefix_suffix)}
+                                                     prefix_suffix, key_numbers)}
 
 
 def task_number(task: str) -> int:
