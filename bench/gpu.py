@@ -14,7 +14,7 @@ checkpoints are on the machine), batch --model-batch at --model-contexts tokens.
   - KVzip scoring time / prefill time, and scoring's extra device memory (the compiled scoring program's temporary
     and output bytes) against the cache's bytes;
   - decode ms per token for the full, masked-0.3 and ragged-0.3 caches, and the ragged one with its kept pairs in
-    int8 and int4 (groups of 64, bf16 scales; KVzip + quantization): attention alone (every layer's attention
+    int8 and int4 (groups of 64 and 16, bf16 scales; KVzip + quantization): attention alone (every layer's attention
     over its cache, one jitted call) and the whole step (forward_step, cache donated); decode caches are synthetic
     (random keys and values, kept sets drawn per head as KVzip's uneven head budgets are), so 124K decode does not
     wait on a 124K prefill;
@@ -79,7 +79,7 @@ SMOKE_MLA = dataclasses.replace(SMOKE, architecture="deepseek", num_kv_heads=1, 
 SMOKE_CASES = [("smoke", SMOKE, 2, (192,)), ("smoke-mla", SMOKE_MLA, 2, (192,))]
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, dense bf16 FLOP/s
 RATIO = 0.3
-KV_BITS = (8, 4)  # the ragged cache's kept pairs quantized (groups of 64, bf16 scales)
+KV_BITS = (8, 4)  # the ragged cache's kept pairs quantized (the default groups: 64 for int8, 16 for int4; bf16 scales)
 REREAD_PROMPT = 16  # tokens of the reread prompt before each chunk (KVzip's is about this long)
 
 
@@ -329,7 +329,7 @@ def main(argv=None) -> int:
             masked, ragged = compressed(base, full, tokens)
             caches = {"full": full, "masked": masked, "ragged": ragged}
             for bits in KV_BITS:  # KVzip + quantization: the ragged cache's kept pairs in int8 / int4
-                caches[f"ragged-int{bits}"] = kv.quantized(ragged, QuantFormat(bits=bits, group=64))
+                caches[f"ragged-int{bits}"] = kv.quantized(ragged, QuantFormat(bits=bits))
             for impl in ("xla", "pallas"):
                 decode_figures(params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps,
                                peak_bw)

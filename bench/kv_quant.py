@@ -1,7 +1,7 @@
 """KV quantization stacked with KVzip eviction, side by side in one run (CPU here).
 
     python bench/kv_quant.py [--model smollm2-135m-instruct] [--tokens 2048] [--ratio 0.3] [--dtype bfloat16]
-                             [--group 64] [--decode-tokens 32] [--repeats 3]
+                             [--group N] [--decode-tokens 32] [--repeats 3]
 
 On one context (the bundled demo document, repeated and cut to --tokens context tokens), scored once by KVzip:
   - bytes of every cache form at 16 (the model's dtype), 8 and 4 bits, as a share of the full cache at 16 bits:
@@ -34,7 +34,7 @@ QUESTION_ROOM = 64
 BITS = (16, 8, 4)
 
 
-def forms(cache, masked, ragged, group: int) -> dict:
+def forms(cache, masked, ragged, group: int | None) -> dict:
     """{(form, bits): cache} of every form at every bit width."""
     out = {}
     for name, base in (("full", cache), ("masked", masked), ("ragged", ragged)):
@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--ratio", type=float, default=0.3)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--group", type=int, default=64)
+    parser.add_argument("--group", type=int, default=None, help="elements per scale (default: the format's, 64 for "
+                        "int8, 16 for int4)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
@@ -79,7 +80,9 @@ def main() -> None:
     model = registry.load(args.model, dtype=args.dtype)
     cfg, tok = model.cfg, model.tokenizer
     print(f"{model.name} {args.dtype}, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
-          f"KVzip ratio {args.ratio}, groups of {min(args.group, cfg.head_dim)} (head dim {cfg.head_dim}), "
+          f"KVzip ratio {args.ratio}, groups of " + ", ".join(
+              f"{min(QuantFormat(bits=b, group=args.group).group, cfg.head_dim)} (int{b})" for b in BITS[1:])
+          + f" (head dim {cfg.head_dim}), "
           f"{args.tokens} context tokens")
     context, _ = prompts.split_for_reuse(tok, context_text(tok, args.tokens), ["?"])
     ids = context.ids()
