@@ -9,7 +9,8 @@ On one context (the bundled demo document, repeated and cut to --tokens context 
     the device arrays (a masked cache keeps the full arrays; a ragged one its bucketed store, its room for a
     64-token question and answer and, quantized, its full-precision window of 128 tokens);
   - decode time per token (XLA, greedy, no stop token) from the ragged cache at --ratio at 16, 8 and 4 bits, the
-    three measured in turns (round robin, best of --repeats each), so load on the machine hits them alike.
+    three measured in turns (round robin, best of --repeats each), so load on the machine hits them alike
+    (--decode-tokens 0: bytes only).
 Compilation is excluded: every timed call runs once before.
 """
 
@@ -73,7 +74,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=None, help="elements per scale (default: the format's, 64 for "
                         "int8, 16 for int4)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
-    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--decode-tokens", type=int, default=32, help="0: bytes only, no decode timing")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -108,6 +109,8 @@ def main() -> None:
         print(f"| {name}{'' if name == 'full' else f' {args.ratio}'} | {bits} | {kv.used_bytes(c) / full_used:.4f} | "
               f"{context_used(c) / context_used(cache):.4f} | {kv.nbytes(c) / full_allocated:.4f} |")
 
+    if args.decode_tokens == 0:  # bytes only
+        return
     ragged_caches = {bits: caches["ragged", bits] for bits in BITS}
     seconds = decode_round_robin(model, logits, ragged_caches, args.decode_tokens, args.repeats)
     base = seconds[16]
