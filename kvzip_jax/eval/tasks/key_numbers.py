@@ -1,6 +1,6 @@
 """Short numbers behind random keys: NUM_PAIRS lines "jpiexg: 564" (six random letters, a colon, three digits) at
-spread depths in prose; each question asks which number follows one key. Exact retrieval of a short number with no
-word around it to help, the text int4 after eviction got wrong on Qwen2.5-Coder-0.5B (docs/results.md)."""
+spread depths in prose; each question asks which number follows one key: exact retrieval of a short number with no
+word around it to help."""
 
 from __future__ import annotations
 
