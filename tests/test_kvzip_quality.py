@@ -80,10 +80,12 @@ def test_int4_after_kvzip_0_3_keeps_exact_values_behind_random_keys(qwen):
     masked, _ = jax.jit(kvzip.score_and_evict)(params, cfg, full, reread, 0.3)
     stops = prompts.stop_token_ids(tok)
 
-    def right(cache) -> list[bool]:
+    def right(cache) -> list[bool]:  # greedy answers, decoded only past their first departure from the reference
         work, out = answering.copy_cache(cache), []
         for suffix, references in zip(suffixes, example.answers):
-            got, work = answering.answer(params, cfg, work, [suffix], example.max_new_tokens, stops)
+            reference = np.append(prompts.encode_text(tok, references[0]), stops[0])
+            got, work = answering.answer_forced(params, cfg, work, [suffix], [reference], example.max_new_tokens,
+                                                stops)
             out.append(bool(metrics.score(example.metric, tok.decode(got.tokens[0], skip_special_tokens=True),
                                           references)))
         return out
