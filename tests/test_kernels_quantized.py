@@ -115,9 +115,10 @@ def test_quantized_inputs_are_checked():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_kernel_lowers_to_triton(bits):
-    """The quantized ragged kernel lowers to a Triton custom call for CUDA at model shapes (H = 64 and 128,
-    group 64 and 32): the in-kernel loads, nibble shifts and per-part dots are all Triton-expressible."""
-    for head_dim, group in [(64, 64), (128, 32)]:
+    """The quantized ragged kernel lowers to a Triton custom call for CUDA at model shapes (H = 64 and 128, group
+    64, 32 and int4's default 16, whose parts are 8 columns wide): the in-kernel loads, nibble shifts and per-part
+    float32 dots are all Triton-expressible."""
+    for head_dim, group in [(64, 64), (128, 32), (64, 16), (128, 16)]:
         width, groups = head_dim if bits == 8 else head_dim // 2, head_dim // group
         decode = functools.partial(_ragged_decode_pallas, scale=0.125, num_tokens=1, block_k=64, num_splits=4,
                                    interpret=False, parts=parts_of(head_dim, groups, bits))
