@@ -1,11 +1,12 @@
-"""Sweep report: summary values by hand on synthetic records, JSONL reading, markdown, CSV and PNG outputs."""
+"""Sweep report and statistics: summary values by hand on synthetic records, JSONL reading, markdown, CSV and PNG
+outputs."""
 
 import csv
 import json
 
 import pytest
 
-from kvzip_jax.eval import report
+from kvzip_jax.eval import report, statistics
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -41,8 +42,8 @@ def by_key(rows):
 
 
 def test_summarize_by_hand(records):
-    rows = report.summarize(records)
-    assert [tuple(r) for r in rows] == [report.COLUMNS] * len(rows)
+    rows = statistics.summarize(records)
+    assert [tuple(r) for r in rows] == [statistics.COLUMNS] * len(rows)
     assert [(r["task"], r["method"], r["mode"], r["ratio"]) for r in rows] == [
         ("niah", "full", "full", 1.0), ("niah", "kvzip", "oracle", 0.5),
         ("squad", "full", "full", 1.0), ("squad", "kvzip", "reuse", 0.5), ("squad", "kvzip", "reuse", 0.3),
@@ -54,7 +55,7 @@ def test_summarize_by_hand(records):
     assert k["n"] == 4 and k["score"] == 0.5
     assert k["normalised"] == pytest.approx(100 * 0.5 / 0.75)
     assert (k["normalised_lo"], k["normalised_hi"]) == (50.0, 100.0)
-    assert k["agree"] == 75.0 and (k["agree_lo"], k["agree_hi"]) == pytest.approx(report.wilson(3, 4))
+    assert k["agree"] == 75.0 and (k["agree_lo"], k["agree_hi"]) == pytest.approx(statistics.wilson(3, 4))
     assert k["kl"] == pytest.approx(0.25) and k["flip"] == pytest.approx(0.25)
     s = rows["squad", "snapkv", "first", 0.5]
     assert s["normalised"] == pytest.approx(100 * 0.5 / 0.75) and s["agree"] == 100.0
@@ -63,37 +64,37 @@ def test_summarize_by_hand(records):
 def test_intervals():
     """Wilson's interval against published values (3/4: 0.3006-0.9544, 0/10: 0-0.2775, as statsmodels'
     proportion_confint(method="wilson") gives them); the bootstrap resamples whole examples."""
-    assert report.wilson(3, 4) == pytest.approx((30.06, 95.44), abs=0.01)
-    assert report.wilson(0, 10) == pytest.approx((0.0, 27.75), abs=0.01)
-    assert report.wilson(10, 10)[1] == pytest.approx(100.0)
-    assert report.bootstrap_normalised([(1.0, 2.0), (1.0, 1.0)]) == (50.0, 100.0)  # resamples: 50, 66.7 or 100
-    assert report.bootstrap_normalised([(1.0, 2.0)] * 5) == (50.0, 50.0)  # every example the same: no spread
-    low, high = report.bootstrap_normalised([(s, 1.0) for s in [0.0, 1.0] * 20])
+    assert statistics.wilson(3, 4) == pytest.approx((30.06, 95.44), abs=0.01)
+    assert statistics.wilson(0, 10) == pytest.approx((0.0, 27.75), abs=0.01)
+    assert statistics.wilson(10, 10)[1] == pytest.approx(100.0)
+    assert statistics.bootstrap_normalised([(1.0, 2.0), (1.0, 1.0)]) == (50.0, 100.0)  # resamples: 50, 66.7 or 100
+    assert statistics.bootstrap_normalised([(1.0, 2.0)] * 5) == (50.0, 50.0)  # every example the same: no spread
+    low, high = statistics.bootstrap_normalised([(s, 1.0) for s in [0.0, 1.0] * 20])
     assert 30 < low < 50 < high < 70  # 40 examples, half of them right: about 50 +- 16
-    assert report.bootstrap_normalised([]) is None and report.bootstrap_normalised([(0.0, 0.0)]) is None
+    assert statistics.bootstrap_normalised([]) is None and statistics.bootstrap_normalised([(0.0, 0.0)]) is None
 
 
 def test_normalised_over_the_same_questions(records):
-    k = by_key(report.summarize(records))["squad", "kvzip", "reuse", 0.3]
+    k = by_key(statistics.summarize(records))["squad", "kvzip", "reuse", 0.3]
     # e0's full scores are 1 and 1 (mean 1), not the task's 0.75
     assert (k["n"], k["score"], k["normalised"], k["agree"]) == (2, 0.5, 50.0, 0.0)
 
 
 def test_normalised_none_when_full_is_zero(records):
-    rows = by_key(report.summarize(records))
+    rows = by_key(statistics.summarize(records))
     assert rows["niah", "full", "full", 1.0]["normalised"] is None
     assert rows["niah", "kvzip", "oracle", 0.5]["normalised"] is None
 
 
 def test_summarize_errors(records):
     with pytest.raises(ValueError, match="lacks"):
-        report.summarize([{k: v for k, v in records[0].items() if k != "agree"}])
+        statistics.summarize([{k: v for k, v in records[0].items() if k != "agree"}])
     with pytest.raises(ValueError, match="mode"):
-        report.summarize([rec("squad", "e0", 0, "kvzip", "sometimes", 0.5, 1.0)])
+        statistics.summarize([rec("squad", "e0", 0, "kvzip", "sometimes", 0.5, 1.0)])
     with pytest.raises(ValueError, match="full cache"):
-        report.summarize([rec("squad", "e0", 0, "kvzip", "full", 0.5, 1.0)])
+        statistics.summarize([rec("squad", "e0", 0, "kvzip", "full", 0.5, 1.0)])
     with pytest.raises(ValueError, match="several models"):
-        report.summarize(records + [{**records[0], "model": "other"}])
+        statistics.summarize(records + [{**records[0], "model": "other"}])
 
 
 def write_jsonl(path, records, tail=""):
@@ -116,7 +117,7 @@ def test_read_records(tmp_path, records):
 
 
 def test_markdown_table(records):
-    rows = report.summarize(records)
+    rows = statistics.summarize(records)
     lines = report.markdown_table(rows).strip().splitlines()
     assert lines[0] == "| task | method | mode | 1.0 | 0.5 | 0.3 |"
     assert lines[1] == "|---|---|---|---:|---:|---:|"
@@ -137,16 +138,16 @@ def test_markdown_table(records):
 
 
 def test_write_csv(tmp_path, records):
-    rows = report.summarize(records)
+    rows = statistics.summarize(records)
     path = report.write_csv(rows, tmp_path / "s.csv")
     with path.open() as f:
         got = list(csv.DictReader(f))
-    assert len(got) == len(rows) and tuple(got[0]) == report.COLUMNS
+    assert len(got) == len(rows) and tuple(got[0]) == statistics.COLUMNS
     assert got[0]["normalised"] == "" and float(got[3]["normalised"]) == pytest.approx(200 / 3)
 
 
 def test_plot_writes_png(tmp_path, records):
-    path = report.plot(report.summarize(records), tmp_path / "p.png")
+    path = report.plot(statistics.summarize(records), tmp_path / "p.png")
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
     assert [p.name for p in tmp_path.iterdir()] == ["p.png"]  # no temporary file left behind

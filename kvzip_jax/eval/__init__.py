@@ -1,1 +1,1 @@
-"""Evaluation: offline task generators, metrics, the sweep runner and its report (table and plot)."""
+"""Evaluation: offline task generators, metrics, the sweep runner, its statistics and its report (tables and plots)."""
