@@ -35,7 +35,7 @@ VALUES = {
 
 def read_records(path: str | os.PathLike) -> list[dict]:
     """The records of a JSONL file; an invalid last line (an interrupted write) is dropped, any other raises."""
-    lines = [(i + 1, line) for i, line in enumerate(Path(path).read_bytes().split(b"\n")) if line.strip()]
+    lines = [(i + 1, line) for i, line in enumerate(results.read_bytes(path).split(b"\n")) if line.strip()]
     records = []
     for k, (lineno, line) in enumerate(lines):
         try:

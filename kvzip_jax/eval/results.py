@@ -15,10 +15,18 @@ and the batching may grow or change between runs.
 Processes that share a sweep out (sweep.share_of) write one file each into the sweep's folder, results.I-of-N.jsonl
 (results_name); merge(folder) checks that every file there holds the same settings and joins them, each answer once,
 into the folder's results.jsonl: what a one-process sweep writes, which eval.report then summarizes.
+
+A finished results file may be kept compressed (compress(path): <file>.gz written atomically, the plain file
+removed; the settings file stays plain, under the plain name). Every reader (read_bytes, ResultsFile, merge,
+eval.report) takes a file's records from <file>.gz followed by the plain <file>, either of which may be absent. A sweep
+resuming a compressed file appends its new answers to the plain file beside the .gz (the .gz is never rewritten by a
+sweep); compress(path) folds them in. An answer in both (what a compress or merge cut off between writing the .gz and
+removing the plain file leaves) is read once, from the .gz.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -32,6 +40,7 @@ KEY_FIELDS = ("task", "example", "method", "mode", "ratio", "question", "kv_bits
 KEY_DEFAULTS = {"kv_bits": 16}  # records written before the field existed: the model's dtype
 RESULTS_NAME = "results.jsonl"  # a one-process sweep's, and the merged one
 SHARE_NAME = re.compile(r"results\.\d+-of-\d+\.jsonl")  # process I of N's (results_name)
+PACKED = ".gz"  # the suffix of a compressed results file (compress)
 RESULTS_VERSION = 3  # 2: one answer path for every cache, published H2O and PyramidKV, per-head floors; 3: tokenizer
 
 
@@ -55,10 +64,68 @@ def results_name(index: int = 0, count: int = 1) -> str:
     return RESULTS_NAME if count == 1 else f"results.{index}-of-{count}.jsonl"
 
 
-def settings_path(path: str | os.PathLike) -> Path:
-    """Where the settings of a results file are kept: <file>.settings.json beside it."""
+def plain_path(path: str | os.PathLike) -> Path:
+    """A results file's plain name: path without a trailing .gz."""
     path = Path(path)
+    return path.with_name(path.name[:-len(PACKED)]) if path.name.endswith(PACKED) else path
+
+
+def packed_path(path: str | os.PathLike) -> Path:
+    """A results file's compressed form: <file>.gz (module docstring)."""
+    path = plain_path(path)
+    return path.with_name(path.name + PACKED)
+
+
+def settings_path(path: str | os.PathLike) -> Path:
+    """Where the settings of a results file (plain or compressed) are kept: <file>.settings.json beside it."""
+    path = plain_path(path)
     return path.with_name(path.name + ".settings.json")
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether a results file exists in either form (plain, .gz)."""
+    return plain_path(path).exists() or packed_path(path).exists()
+
+
+def read_bytes(path: str | os.PathLike) -> bytes:
+    """The lines of a results file in either form, path plain or .gz (module docstring): the .gz's, then the plain
+    file's as they are (a partial last line included) but for the answers the .gz already holds. Raises
+    FileNotFoundError when neither form exists."""
+    plain, packed = plain_path(path), packed_path(path)
+    if not packed.exists():
+        return plain.read_bytes()
+    unpacked = gzip.decompress(packed.read_bytes())
+    if unpacked and not unpacked.endswith(b"\n"):
+        unpacked += b"\n"
+    if not plain.exists():
+        return unpacked
+    held = {_key_of(line) for line in unpacked.split(b"\n")} - {None}
+    lines = plain.read_bytes().split(b"\n")  # the last one empty, or a partial line: kept
+    kept = [line for i, line in enumerate(lines) if i == len(lines) - 1 or _key_of(line) not in held]
+    return unpacked + b"\n".join(kept)
+
+
+def _key_of(line: bytes) -> tuple | None:
+    """The record_key of a line, None for one that is no record."""
+    try:
+        return record_key(json.loads(line))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def compress(path: str | os.PathLike) -> Path:
+    """Folds a finished results file (path plain or .gz) into <file>.gz: its complete lines (read_bytes; a partial
+    last line is left out) gzipped, written atomically (a temporary file beside it, fsynced, renamed), then the plain
+    file removed; returns the .gz's path. Nothing is removed before the .gz is complete, and a file already only in
+    .gz form is left as it is. Run it once no process writes to the file."""
+    plain, packed = plain_path(path), packed_path(path)
+    if not plain.exists():
+        if packed.exists():
+            return packed
+        raise FileNotFoundError(f"no results file {plain} (nor {packed.name})")
+    _write_atomically(packed, gzip.compress(_complete(read_bytes(plain)), compresslevel=9, mtime=0))
+    plain.unlink()
+    return packed
 
 
 def _complete(data: bytes) -> bytes:
@@ -100,8 +167,10 @@ def _differences(a: dict, b: dict, in_a: str, in_b: str) -> str:
 
 
 def results_files(folder: str | os.PathLike) -> list[Path]:
-    """A sweep folder's results files (results.jsonl and every results.I-of-N.jsonl), sorted by name."""
-    return sorted(p for p in Path(folder).iterdir() if p.name == RESULTS_NAME or SHARE_NAME.fullmatch(p.name))
+    """A sweep folder's results files (results.jsonl and every results.I-of-N.jsonl, each plain, .gz or both) under
+    their plain names, sorted by name."""
+    names = {plain_path(p).name for p in Path(folder).iterdir()}
+    return sorted(Path(folder) / n for n in names if n == RESULTS_NAME or SHARE_NAME.fullmatch(n))
 
 
 def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
@@ -113,7 +182,7 @@ def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
         raise EmptyInputError(f"no sweep folder {folder}")
     files = results_files(folder)
     if not files:
-        raise EmptyInputError(f"no results files (results.jsonl, results.I-of-N.jsonl) in {folder}")
+        raise EmptyInputError(f"no results files (results.jsonl, results.I-of-N.jsonl, or their .gz) in {folder}")
     settings = _read_settings(files[0])
     config = fingerprint(settings)
     by_key: dict[tuple, dict] = {}
@@ -124,7 +193,7 @@ def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
             differ = _differences(other, settings, "there", f"in {files[0].name}")
             raise SweepMismatchError(f"{path} holds the results of other sweep settings than {files[0].name} "
                                      f"({differ}): merge only the shares of one sweep")
-        for record in _records(path, _complete(path.read_bytes()), config):
+        for record in _records(path, _complete(read_bytes(path)), config):
             held = examples.setdefault((record["task"], record["example"]), (record.get("example_hash"), path))
             if held[0] != record.get("example_hash"):
                 raise SweepMismatchError(f"{path} and {held[1]} hold answers to different examples under "
@@ -135,12 +204,18 @@ def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
 
 def merge(folder: str | os.PathLike) -> Path:
     """Joins a sweep folder's results files (merged_records) into its results.jsonl and the settings beside it, each
-    written atomically; returns that file's path. Run it once the processes have finished (a process still writing
-    to results.jsonl itself would lose what it appends meanwhile)."""
+    written atomically; returns that file's path (its plain name). A folder that holds results.jsonl.gz keeps its
+    records compressed: the .gz is rewritten, then a plain results.jsonl removed. Run it once the processes have
+    finished (a process still writing to results.jsonl itself would lose what it appends meanwhile)."""
     settings, records = merged_records(folder)
     path = Path(folder) / RESULTS_NAME
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     _write_atomically(settings_path(path), json.dumps(settings, indent=1, sort_keys=True))
-    _write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    if packed_path(path).exists():
+        _write_atomically(packed_path(path), gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
+        path.unlink(missing_ok=True)
+    else:
+        _write_atomically(path, text)
     return path
 
 
@@ -152,7 +227,7 @@ class ResultsFile:
     process 0 writes): the file is read and checked but never written, and appends only mark keys done."""
 
     def __init__(self, path: str | Path, settings: dict | None = None, write: bool = True):
-        self.path, self.write = Path(path), write
+        self.path, self.write = plain_path(path), write  # appends go to the plain file, beside any .gz
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.settings_path = settings_path(self.path)
         self.fingerprint = None if settings is None else fingerprint(settings)
@@ -160,12 +235,12 @@ class ResultsFile:
         self.examples: dict[tuple[str, str], str] = {}  # (task, example id) -> example hash
         if settings is not None:
             self._check_settings(settings)
-        if self.path.exists():
+        if exists(self.path):
             self._repair_and_read()
 
     def _check_settings(self, settings: dict) -> None:
         if not self.settings_path.exists():
-            if self.path.exists() and self.path.stat().st_size:
+            if any(p.exists() and p.stat().st_size for p in (self.path, packed_path(self.path))):
                 raise SweepMismatchError(f"{self.path} holds records without a settings file (written by an earlier "
                                          f"kvzip-jax): write this sweep to another folder")
             if self.write:
@@ -181,12 +256,12 @@ class ResultsFile:
                                      f"another folder, or remove that one")
 
     def _repair_and_read(self) -> None:
-        data = self.path.read_bytes()
-        complete = _complete(data)
-        if len(complete) != len(data) and self.write:  # cut off the partial last line of an interrupted write
-            with open(self.path, "r+b") as f:
-                f.truncate(len(complete))
-        for record in _records(self.path, complete, self.fingerprint):
+        if self.path.exists() and self.write:  # cut off the partial last line of an interrupted write
+            data = self.path.read_bytes()
+            if len(_complete(data)) != len(data):
+                with open(self.path, "r+b") as f:
+                    f.truncate(len(_complete(data)))
+        for record in _records(self.path, _complete(read_bytes(self.path)), self.fingerprint):
             self.done.add(record_key(record))
             if "example_hash" in record:
                 self.examples[record["task"], record["example"]] = record["example_hash"]
@@ -215,12 +290,12 @@ class ResultsFile:
                 self.examples[r["task"], r["example"]] = r["example_hash"]
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """text into a temporary file beside path, fsynced, then renamed onto path."""
+def _write_atomically(path: Path, data: str | bytes) -> None:
+    """data (text, or bytes) into a temporary file beside path, fsynced, then renamed onto path."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
