@@ -5,14 +5,21 @@ interval on the difference, paired by question (Wald interval on the mean of per
         [--peer bench/results/kvpress-quality.txt] > studies/quality_vs_kvpress/results/quality-vs-kvpress.txt
 
 Its inputs are two bench runs' outputs (bench/quality.py --json-out, bench/kvpress_quality.py); paths are relative
-to the repository root.
+to the repository root; a FILE that is not there is read from FILE.gz (the committed bench/results/quality*.json.gz).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
+import os
+
+
+def _open(path: str):
+    """path as text, or path.gz where only that exists."""
+    return gzip.open(path + ".gz", "rt") if not os.path.exists(path) and os.path.exists(path + ".gz") else open(path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,10 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", default="bench/results/kvpress-quality.txt", help="bench/kvpress_quality.py output")
     parser.add_argument("--ratio", type=float, default=0.3)
     args = parser.parse_args(argv)
-    ours = {(r["context"], r["question"]): r["correct"] for r in json.load(open(args.ours))
+    ours = {(r["context"], r["question"]): r["correct"] for r in json.load(_open(args.ours))
             if r["level"] == "pair" and r["ratio"] == args.ratio}
     peer = {}
-    for line in open(args.peer):
+    for line in _open(args.peer):
         if line.startswith("{"):
             r = json.loads(line)
             peer[(r["context"], r["question"])] = r["correct"]
