@@ -10,7 +10,7 @@ import pytest
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax import kvzip, matching
+from kvzip_jax import kvzip, matching, methods
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import kept_count
 from kvzip_jax.models.params import init_params
@@ -186,7 +186,7 @@ def test_am_hak_kb_keeps_kvzips_own_per_head_counts(setup):
     """am-hak-kb: KVzip's uncapped budgets, so each head keeps as many pairs as KVzip's pair-level eviction keeps
     there (at the same bytes' ratio), while its keys are HAK's and its values fitted."""
     cfg, params, cache, reread = setup
-    config = matching.method_config("am-hak-kb", 0.3)
+    config = dataclasses.replace(methods.get("am-hak-kb").options, ratio=0.3)
     out, counts = jax.jit(matching.compact)(params, cfg, cache, reread, config)
     evicted, _ = kvzip.score_and_evict(params, cfg, cache, reread, matching.effective_ratio(config, cache))
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(kv.kept_per_head(evicted)) - 4)  # 4: the prefix
@@ -208,7 +208,7 @@ def test_each_head_is_its_own_fit_whatever_its_fit_size(setup, monkeypatch):
     out, counts = jax.jit(lambda *a: matching.compact_with(*a))(queries, cfg, cache, reread, config)  # traced here
     fitted_at = {int(sizes[sizes >= c].min()) for c in np.asarray(counts).ravel() if c > 0}
     assert len(fitted_at) > 2  # the heads ran at several fit sizes
-    lower, upper, iters = config.box()
+    lower, upper, iters = config.nnls_bounds()
     for l, b, k in np.ndindex(*shape):
         start, length, count = int(reread.prefix_len[b]), int(reread.context_len[b]), int(counts[l, b, k])
         q, rows = queries.q[l][b, k], queries.valid[b]

@@ -22,7 +22,7 @@ import pytest
 from kvzip_jax import cli
 from kvzip_jax.errors import EmptyInputError
 from kvzip_jax.eval import results
-from kvzip_jax.eval import sweep as sw
+from kvzip_jax.eval import shares
 from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, SweepMismatchError, record_key
 from kvzip_jax.weights import registry
 from tests.conftest import simulated_devices_flags, tokenizer_folder
@@ -212,14 +212,14 @@ def test_the_merge_refuses_results_of_other_settings(tmp_path, capsys):
 
 
 def test_the_process_share_comes_from_the_flags_then_the_environment(monkeypatch, capsys):
-    assert sw.process_share(1, 3, environ={}) == (1, 3)
-    assert sw.process_share(environ={"KVZIP_PROCESS_INDEX": "2", "KVZIP_PROCESS_COUNT": "4"}) == (2, 4)
-    assert sw.process_share(environ={}) == (0, 1)  # jax.distributed not initialised: one process
-    assert sw.share_of(list(range(7)), 1, 3) == [1, 4]
+    assert shares.process_share(1, 3, environ={}) == (1, 3)
+    assert shares.process_share(environ={"KVZIP_PROCESS_INDEX": "2", "KVZIP_PROCESS_COUNT": "4"}) == (2, 4)
+    assert shares.process_share(environ={}) == (0, 1)  # jax.distributed not initialised: one process
+    assert shares.share_of(list(range(7)), 1, 3) == [1, 4]
     for index, count, environ in [(2, 2, {}), (-1, 2, {}), (1, None, {}), (None, None, {"KVZIP_PROCESS_INDEX": "1"}),
                                   (None, None, {"KVZIP_PROCESS_INDEX": "a", "KVZIP_PROCESS_COUNT": "2"})]:
-        with pytest.raises(sw.ProcessShareError):
-            sw.process_share(index, count, environ)
+        with pytest.raises(shares.ProcessShareError):
+            shares.process_share(index, count, environ)
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     for flags, fragment in [(["--process-index", "2", "--process-count", "2"], "not in [0, 2)"),
                             (["--distributed", "--process-count", "2"], "no --process-index"),

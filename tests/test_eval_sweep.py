@@ -14,6 +14,7 @@ import pytest
 
 from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.eval import report
+from kvzip_jax.eval import batches, runner
 from kvzip_jax.eval import sweep as sw
 from kvzip_jax.eval.results import ResultsFile, record_key
 from kvzip_jax.eval.tasks.base import Example
@@ -84,7 +85,7 @@ def test_every_answer_is_recorded_once_with_its_metrics(batched):
     assert set(batched) == _expected_keys()
     fingerprints = {r["config"] for r in batched.values()}
     assert len(fingerprints) == 1 and None not in fingerprints
-    hashes = {ex.id: sw.example_hash(ex) for ex in examples()}
+    hashes = {ex.id: batches.example_hash(ex) for ex in examples()}
     for r in batched.values():
         assert 0.0 <= r["score"] <= 1.0 and r["kl"] >= 0.0 and 0.0 <= r["flip"] <= 1.0
         assert np.isfinite(r["kl"]) and r["example_hash"] == hashes[r["example"]]
@@ -109,16 +110,15 @@ def test_a_cache_that_keeps_every_pair_answers_as_the_full_cache(model, tmp_path
     agrees with the full cache 100% with KL exactly 0, even when the step-by-step draft differs from what the
     teacher-forced pass would pick (as float near-ties between the two can make it: simulated by bending the last
     token of every draft)."""
-    real_answer = sw.answering.answer
+    real_answer = runner.answering.answer
 
     def bent_drafts(*args, **kwargs):
         got, cache = real_answer(*args, **kwargs)
         bend = lambda tokens: tokens[:-1] + [(tokens[-1] + 1) % model.cfg.vocab_size] if tokens else tokens
-        return sw.answering.Answers([bend(t) for t in got.tokens]), cache
+        return runner.answering.Answers([bend(t) for t in got.tokens]), cache
 
-    real_masked = sw._masked
-    monkeypatch.setattr(sw.answering, "answer", bent_drafts)
-    monkeypatch.setattr(sw, "_masked", lambda *args: (real_masked(*args)[0], False))
+    monkeypatch.setattr(runner.answering, "answer", bent_drafts)
+    monkeypatch.setattr(runner, "keeps_everything", lambda compressed, cache: False)
     config = sw.SweepConfig(methods=("kvzip", "snapkv", "random"), ratios=(1.0, 0.5), batch_size=3)
     sw.run_sweep(model, examples(), config, tmp_path / "results.jsonl", progress=False)
     records = _by_key(tmp_path / "results.jsonl")
@@ -201,7 +201,7 @@ def test_a_killed_sweep_resumes_without_redoing_or_losing_answers(model, batched
 
     monkeypatch.setattr(ResultsFile, "append", real_append)
     calls = []
-    monkeypatch.setattr(sw.Sweep, "_record", _counting(sw.Sweep._record, calls))
+    monkeypatch.setattr(runner.Sweep, "_record", _counting(runner.Sweep._record, calls))
     sw.run_sweep(model, examples(), CONFIG, path, progress=False)
     resumed = _by_key(path)  # asserts no key twice
     assert set(resumed) == set(batched)
@@ -277,13 +277,13 @@ def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
     second = [dataclasses.replace(ex, task="toy2") for ex in examples()]  # a second task, its own shapes
     jax.clear_caches()
     sw.run_sweep(model, second, config, tmp_path / "alone.jsonl", progress=False)
-    one_task = (gen.forward_step._cache_size(), gen._decode_loop._cache_size(), sw._kvzip_scores._cache_size())
+    one_task = (gen.forward_step._cache_size(), gen._decode_loop._cache_size(), runner._kvzip_scores._cache_size())
     longer = [dataclasses.replace(ex, context=ex.context + " " + ex.context) for ex in examples()]  # other shapes
     live = {id(x) for x in jax.live_arrays()}
     sw.run_sweep(model, longer + second, config, tmp_path / "both.jsonl", progress=False)
     assert [x.shape for x in jax.live_arrays() if id(x) not in live] == []
     assert (gen.forward_step._cache_size(), gen._decode_loop._cache_size(),
-            sw._kvzip_scores._cache_size()) == one_task
+            runner._kvzip_scores._cache_size()) == one_task
 
 
 def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):

@@ -189,7 +189,7 @@ def test_the_value_ridge_shrinks_the_fitted_values_towards_the_kept_ones():
 def test_without_the_bias_fit_beta_is_zero_and_the_values_still_fitted():
     q, k, v = _head(9, n=200, T=48)
     selected = matching.highest_attention_keys(q, k, SCALE, 8)
-    lower, upper, iters = matching.MatchingConfig(fit_bias=False).box()
+    lower, upper, iters = matching.MatchingConfig(fit_bias=False).nnls_bounds()
     _, beta, cv = matching.fit_head(q, k, v, selected, SCALE, lower=lower, upper=upper, iters=iters)
     np.testing.assert_array_equal(np.asarray(beta), 0.0)
     weights = jax.nn.softmax(logits(q, k[selected], SCALE), axis=1)  # the kept keys' attention, no bias

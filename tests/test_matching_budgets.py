@@ -5,9 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvzip_jax import matching
+from kvzip_jax import matching, methods
 from kvzip_jax.kvzip.budget import kept_count
 from kvzip_jax.matching.budgets import MIN_FIT_SIZE, fit_sizes, head_caps, head_counts, static_count
+
+from .test_kvzip_score import tiny_config
 
 
 def oracle_counts(ratio, head_cap, lens, scores):
@@ -100,9 +102,9 @@ def test_profile_counts_follow_the_shares(ratio):
 def test_profile_errors():
     from kvzip_jax.matching.budgets import BudgetProfileError, check_profile, load_profile
 
-    with pytest.raises(BudgetProfileError, match="go together"):
-        matching.MatchingConfig(budget="profile")
-    with pytest.raises(BudgetProfileError, match="go together"):
+    with pytest.raises(BudgetProfileError, match="needs the model's profile"):
+        matching.check_choices(tiny_config(2), matching.MatchingConfig(budget="profile"))
+    with pytest.raises(BudgetProfileError, match="with budget 'profile' only"):
         matching.MatchingConfig(budget="global", profile=((1.0,),))
     with pytest.raises(BudgetProfileError, match="2 rows"):
         check_profile(((1.0, 1.0),), 2, 2)
@@ -112,7 +114,7 @@ def test_profile_errors():
     with pytest.raises(BudgetProfileError, match="budget_search.py --model no-such-model"):
         load_profile("no-such-model")
     with pytest.raises(BudgetProfileError, match="model's name"):
-        matching.method_config("am-hak-pb", 0.1)
+        methods.get("am-hak-pb").options_for()
 
 
 def test_shipped_profiles_are_well_formed():
@@ -128,5 +130,5 @@ def test_shipped_profiles_are_well_formed():
         data = json.loads(path.read_text())
         check_profile(data["profile"], len(data["layers"]), data["kv_heads"])
         assert abs(sum(map(sum, data["profile"])) - 1) < 1e-4
-        config = matching.method_config("am-hak-pb", 0.05, path.stem)
+        config = methods.get("am-hak-pb").options_for(path.stem)
         assert config.budget == "profile" and np.allclose(config.profile, data["profile"])

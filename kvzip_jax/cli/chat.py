@@ -36,7 +36,7 @@ def _compressed_document(args: argparse.Namespace):
     on_chunk, done = common.progress(args, "prefill")
     _, full = gen.prefill(model.params, model.cfg, [context.ids()], on_chunk=on_chunk)
     done()
-    args.level, args.chunk_size, args.self_study = "pair", 512, False
+    args.level, args.chunk_size, args.self_study = None, 512, False
     masked, how = common.evict(args, model, full, context, None)
     cache = common.quantized(args, kv.pack(masked, args.room))
     jax.block_until_ready(cache)

@@ -151,13 +151,14 @@ def asks_by_completion(model) -> bool:
 
 
 def evict(args: argparse.Namespace, model, cache, context, head_scores):
-    """(masked cache, how it was made): KVzip scoring, the saved head scores for --level head, or an Attention
-    Matching compaction (a masked cache whose kept slots carry fitted values and a per-key bias)."""
+    """(compressed cache, how it was made): --method's compression (methods registry) with --level given to its
+    options, or KVzip's saved head scores for --level head (no scoring pass). A method that sees the question sees
+    none here: it observes the context's end, as in kvpress."""
     import jax
     import jax.numpy as jnp
 
     from kvzip_jax import cache as kv
-    from kvzip_jax import kvzip, matching
+    from kvzip_jax import kvzip, matching, methods
     from kvzip_jax.kvzip.scoring import chunk_progress, evictable_layers
 
     prefix_len, context_len = context.context_start, len(context) - context.context_start
@@ -166,28 +167,23 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
                                evictable_layers(model.cfg))  # [L, 1, K, n]
         masked = kv.mask_context(cache, keep, jnp.array([prefix_len]), jnp.array([context_len]))
         return masked, "from saved head scores, no scoring pass"
-    reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [context.ids()[context.context_slice]],
-                                 args.chunk_size)
-    if args.method in matching.METHODS:
-        probes, sources = None, ("repeat",)
-        if args.self_study:
-            probes = matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache)
-            sources = ("repeat", "self-study")
-        config = matching.method_config(args.method, args.ratio, model.name, model.cfg, sources=sources)
-        compact = matching.compact if config.on_policy else jax.jit(matching.compact)  # on-policy: jitted per layer
-        compacted, _ = compact(model.params, model.cfg, cache, reread, config, probes)
-        if args.ratio >= 1.0:
-            return compacted, "ratio 1 keeps the cache as it is"
-        return compacted, (f"keys selected ({config.selector}), values and biases fitted; pairs kept at ratio "
-                           f"{matching.effective_ratio(config, cache):.4f} (less, to pay for the 4-byte bias per kept "
-                           "pair)")
-    compress = jax.jit(kvzip.score_and_evict)
-    on_chunk, done = progress(args, "KVzip scoring (reread chunks)", unit="chunk")
+    method = methods.get(args.method)
+    options = method.options_for(model.name, model.cfg, **({"level": args.level} if args.level else {}))
+    row = context.ids()[context.context_slice]
+    reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [row], args.chunk_size)
+    available = dict(reread=lambda: reread, context_tokens=lambda: jnp.asarray([row], jnp.int32),
+                     key=lambda: jnp.stack([jax.random.key(0)]),
+                     probes=lambda: matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache)
+                     if args.self_study else None)
+    inputs = methods.Inputs(reread.prefix_len, reread.context_len,
+                            **{name: available[name]() for name in method.reads if name in available})
+    on_chunk, done = progress(args, f"{method.name}: scoring (reread chunks)", unit="chunk")
     with chunk_progress(on_chunk):
-        masked, _ = compress(model.params, model.cfg, cache, reread, args.ratio, kvzip.KVzipConfig(level=args.level))
-        jax.block_until_ready(masked)
+        state = method.jitted_prepare(model.params, model.cfg, cache, inputs, options)
+        compressed = method.jitted_finish(model.params, model.cfg, cache, inputs, state, args.ratio, options)
+        jax.block_until_ready(compressed)
     done()
-    return masked, "scored and evicted"
+    return compressed, methods.FAMILIES[method.family] if args.ratio < 1.0 else "ratio 1 keeps the cache as it is"
 
 
 def answer(model, cache, question: str, suffix, max_new_tokens: int, completion: bool):

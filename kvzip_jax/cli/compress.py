@@ -1,5 +1,5 @@
-"""kvzip-jax compress: prefill a context once, compress its cache (KVzip or Attention Matching), then answer
-questions from the compressed cache, or save it for `ask` and `chat`."""
+"""kvzip-jax compress: prefill a context once, compress its cache (any method of the registry: KVzip by default),
+then answer questions from the compressed cache, or save it for `ask` and `chat`."""
 
 from __future__ import annotations
 
@@ -17,19 +17,19 @@ INTERACTIVE_QUESTION_ROOM = 256  # tokens reserved for a question read from stdi
 
 
 def _check_choices(args: argparse.Namespace) -> None:
-    """Usage errors for flags that do not go together, before anything is loaded; sets the default --level."""
+    """Usage errors for flags that do not go together, before anything is loaded."""
+    from kvzip_jax import methods
+
     if args.max_new_tokens < 1 or args.chunk_size < 1 or (args.room is not None and args.room < 1):
         args.subparser.error("--max-new-tokens, --chunk-size and --room must be >= 1")
-    if args.method != "kvzip":  # Attention Matching: KVzip's eviction choices do not apply
-        given = [flag for flag, on in (("--level", args.level is not None), ("--sink", args.sink),
-                                       ("--recent", args.recent)) if on]
-        if given:
-            what = "is a KVzip choice" if len(given) == 1 else "are KVzip choices"
-            args.subparser.error(f"{', '.join(given)} {what}; --method {args.method} (Attention Matching) takes none")
-    else:
-        if args.self_study:
-            args.subparser.error("--self-study is an Attention Matching choice (--method am-hak, ...)")
-        args.level = args.level or "pair"
+    method = methods.get(args.method)
+    defaults = method.option_defaults()
+    if args.level is not None and "level" not in defaults:
+        args.subparser.error(f"--level is an option of kvzip; --method {args.method} has none")
+    args.level = args.level or defaults.get("level")
+    if args.self_study and "probes" not in method.reads:
+        args.subparser.error(f"--self-study adds reference queries; --method {args.method} reads none (an am-* or "
+                             "kvzip-am method does)")
     if (args.sink or args.recent) and args.level != "head":
         args.subparser.error("--sink and --recent apply to --level head only")
 
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvzip_jax import cache as kv
     from kvzip_jax import generate as gen
-    from kvzip_jax import matching, memory_plan, prompts
+    from kvzip_jax import memory_plan, methods, prompts
     from kvzip_jax.kvzip.budget import check_ratio
     from kvzip_jax.kvzip.head_level import HeadScoresError, load_head_scores
     from kvzip_jax.sharding import memory
@@ -59,8 +59,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model {model.name}: {model.cfg.num_layers} layers, loaded in {time.perf_counter() - start:.1f} s")
     completion = common.asks_by_completion(model)
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
-    if args.method in matching.METHODS:  # a missing budget profile named before the prefill
-        matching.method_config(args.method, args.ratio, model.name)
+    method = methods.get(args.method)
+    method.options_for(model.name, model.cfg)  # a missing budget profile or a misfit named before the prefill
     context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [], instruction=instruction,
                                                 completion=completion)
     # What the cache, the scores and a chunk's work need beside the loaded params: MemoryPlanError before allocating.
@@ -82,8 +82,8 @@ def run(args: argparse.Namespace) -> int:
     room = args.room or room
     compressed = common.quantized(args, kv.pack(masked, room))
     jax.block_until_ready(compressed)
-    what = f"KVzip {args.level} level" if args.method == "kvzip" else f"Attention Matching {args.method}"
-    print(f"{what} at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s (including compilation)")
+    level = f", {args.level} level" if args.level else ""
+    print(f"{args.method} ({method.paper}{level}) at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s (including compilation)")
     _report_kept(model.cfg, masked, context)
     if args.plot or args.html:
         _pictures(args, model, masked, context)
@@ -155,21 +155,18 @@ def _save(args: argparse.Namespace, model, compressed, context) -> None:
 
 def add_parser(subparsers) -> None:
     from kvzip_jax.kvzip.eviction import LEVELS
-    from kvzip_jax.matching import METHODS
 
-    parser = subparsers.add_parser("compress", help="compress a context's KV cache once (KVzip or Attention "
-                                   "Matching), then answer questions from it")
+    parser = subparsers.add_parser("compress", help="compress a context's KV cache once (KVzip, or any method of "
+                                   "kvzip-jax methods), then answer questions from it")
     options.add_model(parser)
     parser.add_argument("--context", required=True, metavar="FILE", help="text file to use as the context")
     parser.add_argument("--ratio", type=float, required=True,
                         help="fraction of context KV pairs kept, in (0, 1] (kvpress's compression_ratio is 1 - it)")
-    options.add_method(parser, help_text=f"kvzip (default) or Attention Matching: {', '.join(METHODS)} (keys picked by "
-                       "highest attention, orthogonal matching pursuit or KVzip's scores; values and a per-key bias "
-                       "fitted)")
+    options.add_method(parser)
     parser.add_argument("--self-study", action="store_true", help="Attention Matching: add reference queries from "
                         "turns the model writes about the context (a summary, its facts, questions and answers)")
-    parser.add_argument("--level", choices=LEVELS, help="KVzip's eviction level (default pair; head: run "
-                        "head-scores first; then no scoring pass)")
+    parser.add_argument("--level", choices=LEVELS, help="--method kvzip: its eviction level (default pair; head: "
+                        "run head-scores first; then no scoring pass)")
     options.add_questions(parser)
     parser.add_argument("--instruction", default="none", help="text that opens the user message before the "
                         'context, kept with the never-evicted prefix: "kvzip" for '

@@ -17,7 +17,8 @@ def _csv(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from kvzip_jax.eval import report, results, tasks
-    from kvzip_jax.eval.sweep import ProcessShareError, SweepConfig, process_share, run_sweep
+    from kvzip_jax.eval.shares import ProcessShareError, process_share
+    from kvzip_jax.eval.sweep import SweepConfig, run_sweep
 
     if args.merge:
         return _merge(args)
@@ -129,12 +130,12 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    from kvzip_jax.eval.sweep import METHODS
+    from kvzip_jax import methods
 
     parser = subparsers.add_parser("eval", help="sweep methods x ratios x tasks; resumable; table and plot")
     options.add_model(parser, required=False, note="required unless --merge")
     parser.add_argument("--methods", default="kvzip,snapkv,pyramidkv,h2o,streamingllm,random",
-                        help=f"comma-separated, from {','.join(METHODS)} (am-*, kvzip-am: Attention Matching)")
+                        help=f"comma-separated, from {','.join(methods.names())} (kvzip-jax methods describes them)")
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
     parser.add_argument("--tasks", help="comma-separated generated tasks (default: all, unless --jsonl is given)")
     parser.add_argument("--jsonl", action="append", metavar="FILE",

@@ -30,11 +30,15 @@ def add_max_new_tokens(parser, default: int) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=default)
 
 
-def add_method(parser, help_text: str | None = None) -> None:
-    """--method: kvzip (default) or one of the Attention Matching methods."""
-    from kvzip_jax.matching import METHODS
+def add_method(parser) -> None:
+    """--method: a method that sees no question (methods registry; default kvzip): the cache is compressed once,
+    before any question."""
+    from kvzip_jax import methods
 
-    parser.add_argument("--method", choices=("kvzip", *METHODS), default="kvzip", help=help_text)
+    agnostic = [name for name in methods.names() if not methods.get(name).question_aware]
+    parser.add_argument("--method", choices=agnostic, default="kvzip", help="how the cache is compressed, once, "
+                        f"before any question: {', '.join(agnostic)} (default kvzip; kvzip-jax methods describes "
+                        "them)")
 
 
 def add_chunk_size(parser, note: str = "") -> None:

@@ -6,21 +6,19 @@
 Modules: queries (reference queries: repeat, context, self-study), self_study (the turns the model writes about a
 context, for the self-study source), select (Highest-Attention-Keys, Orthogonal Matching Pursuit), fit (NNLS biases,
 least-squares values, one KV head), refine (optax steps from the closed form), budgets (uniform, global or
-searched-profile per-head counts), compact (the whole cache; on-policy: layer by layer).
+searched-profile per-head counts), config (MatchingConfig), compact (the whole cache; on-policy: layer by layer).
 """
 
 from kvzip_jax.matching import self_study
 from kvzip_jax.matching.budgets import BUDGETS, BudgetProfileError, head_counts, load_profile
-from kvzip_jax.matching.compact import (
+from kvzip_jax.matching.compact import compact, compact_with
+from kvzip_jax.matching.config import (
     LATENT_VALUES,
-    METHODS,
     SELECTORS,
     LatentValuesError,
     MatchingConfig,
-    compact,
-    compact_with,
+    check_choices,
     effective_ratio,
-    method_config,
 )
 from kvzip_jax.matching.fit import attend, fit_head, mixture, nnls_box
 from kvzip_jax.matching.queries import SOURCES, Probes, ReferenceQueries, reference_queries, thinned
@@ -32,9 +30,9 @@ from kvzip_jax.matching.select import (
     orthogonal_matching_pursuit,
 )
 
-__all__ = ["AGGREGATIONS", "BUDGETS", "LATENT_VALUES", "METHODS", "SELECTORS", "SOURCES", "BudgetProfileError",
+__all__ = ["AGGREGATIONS", "BUDGETS", "LATENT_VALUES", "SELECTORS", "SOURCES", "BudgetProfileError",
            "LatentValuesError", "MatchingConfig",
-           "Probes", "ReferenceQueries", "attend", "attention_key_scores", "compact", "compact_with",
-           "effective_ratio", "fit_head", "head_counts", "highest_attention_keys", "load_profile", "method_config",
+           "Probes", "ReferenceQueries", "attend", "attention_key_scores", "check_choices", "compact", "compact_with",
+           "effective_ratio", "fit_head", "head_counts", "highest_attention_keys", "load_profile",
            "mixture", "nnls_box", "matching_loss", "orthogonal_matching_pursuit", "reference_queries", "refine_head",
            "self_study", "thinned"]

@@ -19,17 +19,7 @@ from every head's attention together (HAK's aggregate over all of their rows) an
 masses (NNLS over their rows stacked, as a GQA group's heads share theirs). The latent is the slot's key as well
 as its value, so by default (latent_values "kept") it stays as it is and refinement (which moves values) is refused.
 With latent_values "fitted" a kept token also gets a value latent fitted by least squares to every head's latent
-output (their rows stacked): the compacted layer then holds key latents apart from value latents (models/mla.py's
-split layout, 2 R + dr per slot, counted by same_bytes), and refinement may move the value latents
-(studies/mla_matching_variants: at equal bytes the head outputs' error falls to 0.25-0.51x eviction's, against
-about 1x for the kept latents).
-
-Budgets (budgets.py) are uniform, global, or a model's searched profile. `same_bytes` (default) counts the bias' 4 bytes
-per kept pair: a ratio keeps fewer pairs (x 2 H b / (2 H b + 4) for head dim H and b bytes per element, 0.8% fewer at
-H = 64 in float32), so the compacted context pairs take about the bytes of the evicted ones at the same ratio (to within
-the rounding of two integer budgets). The bias is stored per slot of a compacted layer, so the never-compacted prefix
-and the tokens after the context pay its 4 bytes too (cache.used_bytes counts them). Without the bias fit
-(fit_bias=False) the compaction adds no bias: the cache keeps the one it had, if any, and a ratio keeps its pairs.
+output (their rows stacked), and refinement may move the value latents. Budgets and bytes: config.py.
 
 `compact` runs the reference pass and the fit; a sweep runs `reference_queries` once per context and
 `compact_with` per ratio and method.
@@ -42,29 +32,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.errors import KvzipError
 from kvzip_jax.kvzip import scoring
-from kvzip_jax.kvzip.budget import check_ratio
-from kvzip_jax.matching.budgets import (
-    BUDGETS,
-    BudgetProfileError,
-    check_profile,
-    fit_sizes,
-    head_counts,
-    load_profile,
-    profile_scores,
-    static_count,
-)
-from kvzip_jax.matching.fit import RIDGE, fit_head
+from kvzip_jax.matching.budgets import check_profile, fit_sizes, head_counts, profile_scores, static_count
+from kvzip_jax.matching.config import MatchingConfig, check_choices, effective_ratio
+from kvzip_jax.matching.fit import fit_head
 from kvzip_jax.matching.queries import (
-    SOURCES,
     Probes,
     QueryObserver,
     ReferenceQueries,
@@ -74,147 +52,9 @@ from kvzip_jax.matching.queries import (
     thinned,
 )
 from kvzip_jax.matching.refine import refine_head
-from kvzip_jax.matching.select import AGGREGATIONS, OMP_UPPER, attention_key_scores, orthogonal_matching_pursuit
+from kvzip_jax.matching.select import attention_key_scores, orthogonal_matching_pursuit
 from kvzip_jax.models import mla
 from kvzip_jax.models.transformer import apply_block, embed_tokens
-
-SELECTORS = ("hak", "omp", "kvzip")
-BUDGET_SCORES = ("kvzip", "attention")
-# method name -> its MatchingConfig choices; "-op": on-policy (layer-sequential) compaction. kvzip-am is KVzip's
-# selection and budgets with the AM fit; am-hak-kb is HAK's keys within KVzip's own per-head budgets (no head cap:
-# what KVzip's pair-level top-k keeps per head), the variant that holds at mild ratios; the others take budgets from
-# the reference queries' attention; am-hak-pb takes the model's searched budget profile (budgets.py;
-# Qwen2.5-Coder-0.5B's, searched at 0.02, loses to am-hak); am-hak-fl fits an MLA token's value latent apart from its
-# key (multi-head latent attention only). Figures: docs/attention_matching.md.
-KVZIP_AM = dict(selector="kvzip", budget_scores="kvzip")
-METHODS = {"am-hak": dict(selector="hak"), "am-omp": dict(selector="omp"), "kvzip-am": KVZIP_AM,
-           "am-hak-kb": dict(selector="hak", budget_scores="kvzip", head_cap=1.0),
-           "am-hak-pb": dict(selector="hak", budget="profile"),
-           "am-hak-op": dict(selector="hak", on_policy=True), "kvzip-am-op": dict(KVZIP_AM, on_policy=True),
-           "am-hak-fl": dict(selector="hak", latent_values="fitted")}
-BIAS_BYTES = 4  # a float32 beta per kept pair
-LATENT_VALUES = ("kept", "fitted")  # an MLA token's value latent: its own latent, or one fitted apart from its key
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class MatchingConfig:
-    """Static choices of a compaction (hashable: jit needs no extra arguments; the ratio sets shapes, so it lives here).
-
-    ratio: fraction of context pairs kept, in (0, 1]. selector: hak | omp | kvzip. aggregate: HAK's aggregation over
-    queries (rms | max | mean). budget: uniform | global | profile; budget_scores: what global budgets rank (KVzip's
-    scores, or the reference queries' aggregated attention); head_cap: under global and profile budgets a head keeps
-    at most this fraction of its context keys (the paper's 0.75; budgets.head_caps); profile: the profile budget's
-    shares, one row per compacted layer of one share per KV head (budgets.load_profile).
-    sources: reference query sources (queries.SOURCES); query_cap: most reference rows per KV head and layer;
-    self_study_queries: most self-study rows per KV head and layer the fit takes, evenly spaced among those captured
-    (queries.thinned; None: all), so that one capture serves several counts (off-policy only).
-    omp_step, omp_refit: OMP's keys per step and steps per refit (1, 1: exact; 4, 2: AM-OMP-fast).
-    on_policy: layer-sequential compaction (compact only): layer l is fitted to the queries of a model whose layers
-    < l are already compacted; the sources are then repeat and self-study.
-    refine_steps: Adam steps (matching.refine) on beta and C_v from the closed form, per head (0: none).
-    value_ridge: the value fit's ridge towards the kept keys' own values, relative to the mean diagonal of its normal
-    equations (fit.RIDGE: a least-squares fit; large: the kept values themselves, only beta fitted).
-    fit_bias: fit beta to the attention mass (False: beta = 0, only the values fitted and refined, and the compacted
-    cache carries no bias of its own; an ablation).
-    latent_values: multi-head latent attention only: "kept" (a kept token's latent serves as key and value) or
-    "fitted" (a value latent fitted apart from the key latent; the compacted layers take models/mla.py's split
-    layout).
-    """
-
-    ratio: float = 0.1
-    selector: str = "hak"
-    aggregate: str = "rms"
-    budget: str = "global"
-    budget_scores: str = "attention"
-    head_cap: float = 0.75
-    profile: tuple[tuple[float, ...], ...] | None = None
-    sources: tuple[str, ...] = ("repeat",)
-    query_cap: int = 8192
-    self_study_queries: int | None = None
-    omp_step: int = 1
-    omp_refit: int = 1
-    same_bytes: bool = True
-    on_policy: bool = False
-    refine_steps: int = 0
-    value_ridge: float = RIDGE
-    fit_bias: bool = True
-    latent_values: str = "kept"
-
-    def __post_init__(self):
-        check_ratio(self.ratio)
-        for name, value, choices in (("selector", self.selector, SELECTORS), ("aggregate", self.aggregate,
-                                     AGGREGATIONS), ("budget", self.budget, BUDGETS),
-                                     ("budget_scores", self.budget_scores, BUDGET_SCORES),
-                                     ("latent_values", self.latent_values, LATENT_VALUES)):
-            if value not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-        if not self.sources or set(self.sources) - set(SOURCES):
-            raise ValueError(f"sources must be among {SOURCES}, got {self.sources}")
-        if not 0 < self.head_cap <= 1:
-            raise ValueError(f"head_cap is a fraction of a head's keys, in (0, 1], got {self.head_cap}")
-        if (self.budget == "profile") != (self.profile is not None):
-            raise BudgetProfileError("budget 'profile' and a profile go together (budgets.load_profile)")
-        if self.query_cap < 1 or self.omp_step < 1 or self.omp_refit < 1:
-            raise ValueError("query_cap, omp_step and omp_refit must be >= 1")
-        if self.refine_steps < 0:
-            raise ValueError(f"refine_steps must be >= 0, got {self.refine_steps}")
-        if not self.value_ridge > 0:
-            raise ValueError(f"value_ridge must be > 0, got {self.value_ridge}")
-        if self.needs_kvzip_scores and "repeat" not in self.sources:
-            raise ValueError("KVzip's scores (selector kvzip, or global budgets by kvzip) need the 'repeat' source")
-        if self.self_study_queries is not None:
-            if self.self_study_queries < 0 or "self-study" not in self.sources:
-                raise ValueError(f"self_study_queries counts self-study rows (>= 0, with the 'self-study' source), "
-                                 f"got {self.self_study_queries} with sources {self.sources}")
-            if self.on_policy:
-                raise ValueError("self_study_queries thins queries captured once: on-policy compaction captures "
-                                 "them layer by layer")
-        if self.on_policy and "context" in self.sources:
-            raise ValueError("on-policy compaction takes the repeat and self-study sources, not 'context'")
-
-    @property
-    def needs_kvzip_scores(self) -> bool:
-        return self.selector == "kvzip" or (self.budget == "global" and self.budget_scores == "kvzip")
-
-    def box(self) -> tuple[float, float, int]:
-        """(lower, upper, gradient steps) of the NNLS weights: OMP's [1e-12, e^7] with none, else HAK's e^+-3
-        with 2 (the reference code's settings); [1, 1] (beta = 0) without fit_bias."""
-        if not self.fit_bias:
-            return 1.0, 1.0, 0
-        return (1e-12, OMP_UPPER, 0) if self.selector == "omp" else (math.exp(-3.0), math.exp(3.0), 2)
-
-
-def method_config(method: str, ratio: float, model: str | None = None, cfg: ModelConfig | None = None,
-                  **choices) -> MatchingConfig:
-    """The MatchingConfig of a named method (METHODS) at a ratio; model: the model's name, whose budget profile a
-    profile method loads (budgets.load_profile) unless choices give one; cfg: the model's config, to refuse a method
-    that does not apply to its attention (check_choices) before any work."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {tuple(METHODS)}, got {method!r}")
-    choices = {**METHODS[method], **choices}
-    if choices.get("budget") == "profile" and "profile" not in choices:
-        if model is None:
-            raise BudgetProfileError(f"{method} takes the model's budget profile: give the model's name")
-        choices["profile"] = load_profile(model)
-    config = MatchingConfig(ratio=ratio, **choices)
-    if cfg is not None:
-        check_choices(cfg, config)
-    return config
-
-
-def effective_ratio(config: MatchingConfig, cache: kv.KVCache) -> float:
-    """The ratio of pairs kept: config.ratio, less (same_bytes) the bias' bytes when the fit adds a bias and an MLA
-    token's second latent when its value latent is fitted (latent_values "fitted")."""
-    if not config.same_bytes:
-        return config.ratio
-    layer = cache.layers[0]
-    pair = (layer.k.shape[-1] + layer.v.shape[-1]) * layer.k.dtype.itemsize  # an MLA cache's shared layout
-    kept = pair + (BIAS_BYTES if config.fit_bias else 0)
-    if config.latent_values == "fitted":
-        kept += layer.v.shape[-1] * layer.v.dtype.itemsize
-    return config.ratio * pair / kept
-
 
 def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
             config: MatchingConfig = MatchingConfig(), probes: Probes | None = None,
@@ -270,21 +110,6 @@ def _check_compactable(cfg: ModelConfig, cache: kv.KVCache, queries: ReferenceQu
                                        "or compacted one first)")
     if config.needs_kvzip_scores and queries is not None and queries.kvzip_scores is None:
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")
-
-
-class LatentValuesError(KvzipError, ValueError):
-    """Fitted latent values asked of a model without a latent cache (or refinement of an MLA cache's kept ones)."""
-
-
-def check_choices(cfg: ModelConfig, config: MatchingConfig) -> None:
-    """The choices that depend on the model's attention (LatentValuesError), checked before any pass runs."""
-    if config.latent_values == "fitted" and cfg.mla is None:
-        raise LatentValuesError("latent_values 'fitted' fits an MLA token's value latent; this model has no latent "
-                                "cache")
-    if cfg.mla is not None and config.latent_values == "kept" and config.refine_steps:
-        raise LatentValuesError("refinement moves the kept values, and an MLA slot's latent is its key too: "
-                                "refine_steps must be 0 on multi-head latent attention unless latent_values is "
-                                "'fitted'")
 
 
 def _context(layers: list[kv.LayerCache], span: scoring.ContextSpan,
@@ -359,7 +184,7 @@ def _fit(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: in
     L, B, K, n, _ = k.shape
     key_valid, query_valid, heads = _per_head(q, valid, k, span)
     scale = cfg.query_scale
-    lower, upper, iters = config.box()
+    lower, upper, iters = config.nnls_bounds()
 
     def fit_one(t, args):  # one head fitted at t keys, padded to `size`
         q_h, qv_h, k_h, v_h, b_h, kv_h, count, rank_h = args

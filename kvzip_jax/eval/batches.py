@@ -1,0 +1,85 @@
+"""A sweep's batches: examples tokenized, sorted by length, cut into batches of one task, padded to a size, and the
+one cache capacity every batch runs at."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvzip_jax import prompts
+from kvzip_jax.eval.tasks.base import Example
+
+CAPACITY_MULTIPLE = 64
+
+
+def example_hash(ex: Example) -> str:
+    """16 hex digits of what an example asks (context, questions, answers, metric, answer length)."""
+    text = json.dumps([ex.context, list(ex.questions), [list(a) for a in ex.answers], ex.metric, ex.max_new_tokens])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Rows of one batch: the real examples first, then copies of the last one up to the batch size."""
+
+    examples: tuple[Example, ...]  # the real rows
+    contexts: tuple[prompts.Prompt, ...]  # every row's [prefix | context] tokens
+    suffixes: tuple[tuple[np.ndarray, ...], ...]  # per row, per question: [question | answer header] ids
+
+    @property
+    def size(self) -> int:
+        return len(self.contexts)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return max(ex.max_new_tokens for ex in self.examples)
+
+    @property
+    def num_questions(self) -> int:
+        return max(len(ex.questions) for ex in self.examples)
+
+    def question_rows(self, i: int) -> list[np.ndarray]:
+        """Suffix i of every row; rows without a question i repeat their first (answered, then ignored)."""
+        return [s[i] if i < len(s) else s[0] for s in self.suffixes]
+
+
+Item = tuple[Example, prompts.Prompt, tuple[np.ndarray, ...]]  # an example, its [prefix | context], its suffixes
+
+
+def prepare(tokenizer, examples: Sequence[Example], instruction: str | None = None) -> list[Item]:
+    """Every example tokenized, sorted by (task, context tokens, id): the order batches are cut in (groups_of).
+    instruction: opens every user message before the context (prompts.build_prompt)."""
+    items = []
+    for ex in examples:
+        context, suffixes = prompts.split_for_reuse(tokenizer, ex.context, list(ex.questions),
+                                                    instruction=instruction)
+        items.append((ex, context, tuple(suffixes)))
+    return sorted(items, key=lambda item: (item[0].task, len(item[1]), item[0].id))
+
+
+def groups_of(items: Sequence[Item], batch_size: int) -> list[tuple[Item, ...]]:
+    """The sweep's batches before padding: batch_size items each (fewer for a task's last), one task each, cut in
+    the items' order (prepare: similar lengths together). The cut does not depend on the devices, so every process
+    plans the same batches."""
+    by_task: dict[str, list] = {}
+    for item in items:
+        by_task.setdefault(item[0].task, []).append(item)
+    return [tuple(rows[start:start + batch_size]) for task, rows in sorted(by_task.items())
+            for start in range(0, len(rows), batch_size)]
+
+
+def padded(group: Sequence[Item], size: int) -> Batch:
+    """The batch of a group's rows, padded with copies of its last row to size rows."""
+    rows = list(group) + [group[-1]] * (size - len(group))
+    return Batch(tuple(ex for ex, _, _ in group), tuple(c for _, c, _ in rows), tuple(s for _, _, s in rows))
+
+
+def capacity_for(items: Sequence[Item]) -> int:
+    """One cache capacity for the whole sweep (one compilation, the same in every process's share): the longest
+    [prefix | context] plus the longest question and the longest answer, rounded up."""
+    need = max(len(c) + max(map(len, s)) for _, c, s in items) + max(ex.max_new_tokens for ex, _, _ in items)
+    return -(-need // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
