@@ -13,7 +13,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import ContextTooLongError, EmptyInputError
-from kvzip_jax.models.attention import AttentionView, map_key_blocks, take_keys
+from kvzip_jax.models.observer import AttentionView, map_key_blocks, take_keys
 from kvzip_jax.models.transformer import forward
 from kvzip_jax.weights.hf import params_from_hf
 

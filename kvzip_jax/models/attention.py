@@ -15,20 +15,18 @@ per KV head, H head dim, D model width, N blocks.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax.models import layers
+# Re-exported: the observers of kvzip/, baselines/ and matching/ import the hook from here.
+from kvzip_jax.models.observer import AttentionView, Observer, map_key_blocks, take_keys  # noqa: F401
 from kvzip_jax.quant import groups as quant
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so an all-masked row never gives inf - inf
-KEY_BLOCK = 256  # keys per block of map_key_blocks
 BLOCK_ELEMENTS = 1 << 21  # most elements of one block's [query rows x keys] weights in blocked_attention
 
 
@@ -42,42 +40,6 @@ def attention_mask(query_slots: jax.Array, key_slots: jax.Array, key_visible: ja
     if window is not None:
         visible &= (q - k) < window
     return visible
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionView:
-    """What one attention layer saw, handed to an observer. Arrays are float32 unless noted.
-
-    Keys are [the C cache slots as they were before this step | the T new tokens]. mask, logits and probs are
-    materialised only if the observer reads them (XLA drops them otherwise); lse comes from the forward itself.
-    layer: layer index. hidden: the normed attention input [B, T, D]. q: post-norm, post-RoPE queries
-    [B, T, K, G, H]. k, v: the cache before this step's write [B, K, C, H]. k_new, v_new: [B, K, T, H].
-    key_slots: [B, K, C + T] int32 cache slot of each key (new token t goes to the first free slot + t).
-    query_slots: [B, K, T] int32. mask: [B, K, T, C + T] bool. logits: masked scaled scores and probs: softmax
-    weights, both [B, K, G, T, C + T]. lse: [B, K, G, T] log of each query row's
-    softmax normaliser; subset_lse the same over the keys of the observer's `normaliser_subset` (see
-    blocked_attention). o_proj: the output projection [N H, D]. scale: the attention scale on q.k.
-    """
-
-    layer: int
-    hidden: jax.Array
-    q: jax.Array
-    k: jax.Array
-    v: jax.Array
-    k_new: jax.Array
-    v_new: jax.Array
-    key_slots: jax.Array
-    query_slots: jax.Array
-    mask: jax.Array
-    logits: jax.Array
-    probs: jax.Array
-    lse: jax.Array
-    subset_lse: jax.Array
-    o_proj: jax.Array
-    scale: float
-
-
-Observer = Callable[[AttentionView], Any]
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float, key_bias=None):
@@ -112,24 +74,6 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
     return keys, values, key_slots, mask
 
 
-def map_key_blocks(block_stats, num_keys: int, size: int = KEY_BLOCK) -> jax.Array:
-    """Per-key statistics [B, K, num_keys, ...] computed over blocks of `size` keys (fewer for fewer keys) one at a
-    time (lax.map), so an observer's [rows x keys] intermediates never exceed one block. block_stats(start, size)
-    loads the keys [start, start + size) itself (take_keys), inside the loop: operands gathered or padded whole
-    before it, XLA CPU would make every layer's at the program's start and hold them all. It returns
-    [B, K, size, ...]; columns past num_keys (the last block's, clipped) are dropped."""
-    size = min(size, num_keys)
-    out = jax.lax.map(lambda start: block_stats(start, size), jnp.arange(-(-num_keys // size)) * size)
-    N, B, K = out.shape[:3]  # [N, B, K, size, ...]
-    return jnp.moveaxis(out, 0, 2).reshape((B, K, N * size) + out.shape[4:])[:, :, :num_keys]
-
-
-def take_keys(x: jax.Array, start: jax.Array, size: int, axis: int) -> jax.Array:
-    """x restricted along `axis` to [start, start + size); indices past the end are clipped (map_key_blocks drops
-    those columns)."""
-    return jnp.take(x, jnp.clip(start + jnp.arange(size), 0, x.shape[axis] - 1), axis=axis)
-
-
 def _rows(q: jax.Array, scale: float) -> jax.Array:
     """q [B, T, K, G, H] -> scaled float32 query rows [B, K, M = G T, H]."""
     B, T, K, G, H = q.shape
@@ -145,8 +89,7 @@ def _unrows(out: jax.Array, q: jax.Array) -> jax.Array:
 def _empty_state(qm: jax.Array, value_width: int | None = None):
     """Online-softmax state of query rows qm [B, K, M, H]: running max [B, K, M], normaliser [B, K, M], weighted
     values [B, K, M, H], and the normaliser over a subset of the keys [B, K, M]; made from qm (layers.zeros_from),
-    so each layer's accumulator exists only with its queries (as constants, all 24 layers' were live at once in
-    the KVzip reread of Qwen2.5-Coder-0.5B: 24 x 7.5 MiB)."""
+    so each layer's accumulator exists only with its queries (as constants, every layer's would be live at once)."""
     acc = layers.zeros_from(qm)  # [B, K, M, H]
     rows = acc[..., 0]  # [B, K, M]
     if value_width is not None and value_width != acc.shape[-1]:  # values of another width (MLA's latents)
@@ -243,7 +186,7 @@ def _finish(state, q):
 def key_block(rows: int, largest: int = 256, smallest: int = 64) -> int:
     """Keys per online-softmax block for `rows` = B K M query rows: the power of two in [smallest, largest] that
     keeps one block's [rows x keys] weights within BLOCK_ELEMENTS, so they stay in the CPU's cache between the ops
-    that read them (64 keys for the KVzip reread's 6,336 rows per KV head, 256 for prefill chunks and decode)."""
+    that read them."""
     return _power_of_two_at_most(BLOCK_ELEMENTS // max(rows, 1), smallest, largest)
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models import attention, layers, mla
+from kvzip_jax.models.observer import AttentionView, Observer
 from kvzip_jax.models.params import layer_name, param_shapes
 from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
@@ -36,7 +37,7 @@ class Block(nn.Module):
 
     cfg: ModelConfig
     index: int
-    observer: attention.Observer | None = None
+    observer: Observer | None = None
 
     @nn.compact
     def __call__(self, x, positions, layer_cache: kv.LayerCache, num_new):
@@ -163,7 +164,7 @@ class Block(nn.Module):
                                                              query_slots, window, layer_cache.keep)
         bias = None if layer_cache.bias is None else jnp.pad(layer_cache.bias, [(0, 0), (0, 0), (0, k_new.shape[2])])
         _, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale, bias)  # new keys: 0
-        observed = self.observer(attention.AttentionView(
+        observed = self.observer(AttentionView(
             layer=self.index, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, k_new=k_new, v_new=v_new,
             key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
             lse=lse, subset_lse=subset_lse, o_proj=o_proj, scale=cfg.query_scale))
@@ -228,7 +229,7 @@ class Transformer(nn.Module):
     """Embedding, the layer stack and the (optionally tied) LM head."""
 
     cfg: ModelConfig
-    observer: attention.Observer | None = None
+    observer: Observer | None = None
     logits: str | None = "last"
 
     @nn.compact
