@@ -1,16 +1,18 @@
-"""The `kvzip-jax` command, one module per subcommand (convert, head_scores, compress, ask, chat, eval), each with
-add_parser(subparsers) and run(args) -> exit code; options.py holds the options several take, common.py what they
-share.
+"""The `kvzip-jax` command, one module per subcommand (convert, head_scores, compress, ask, chat, eval, methods),
+each with add_parser(subparsers) and run(args) -> exit code; options.py holds the options several take, common.py
+what they share.
 
   kvzip-jax convert --hf DIR | --gguf FILE --out checkpoints/NAME [--overwrite] [--dtype bfloat16] [--mesh D,S,T]
   kvzip-jax convert --bundled NAME [--out DIR]      (default out: $KVZIP_CHECKPOINTS or ./checkpoints, /NAME)
   kvzip-jax head-scores --model NAME_OR_PATH [--tokens N] [--text FILE] [--overwrite]
       once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
-  kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|am-omp|kvzip-am|...]
+  kvzip-jax methods [NAME]
+      the compression methods (methods registry) as a markdown table, or one method's inputs and options
+  kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|...]
                      [--level pair|pair-uniform|layer|head] [--question Q ...] [--questions FILE]
                      [--max-new-tokens N] [--chunk-size M] [--save DIR] [--plot PNG] [--html FILE]
-      prefill the context once, compress its cache with KVzip (--level: KVzip only) or compact it by Attention
-      Matching (am-*, kvzip-am; ratio = fraction of context pairs kept), then answer each question from the
+      prefill the context once, compress its cache with a method that sees no question (--level: KVzip's; ratio =
+      fraction of context pairs kept), then answer each question from the
       compressed cache; with no questions given, reads them from stdin, one per line. --save DIR: keep the
       compressed cache (kvzip_jax.cache_io: orbax arrays + a checked manifest, written atomically; no questions
       given: save only)
@@ -44,7 +46,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvzip_jax.cli import ask, chat, compress, convert, head_scores
+from kvzip_jax.cli import ask, chat, compress, convert, head_scores, methods
 from kvzip_jax.cli import eval as eval_command
 from kvzip_jax.cli.head_scores import head_scores_path
 from kvzip_jax.errors import KvzipError
@@ -52,7 +54,7 @@ from kvzip_jax.errors import KvzipError
 __all__ = ["EXIT_USER_ERROR", "build_parser", "head_scores_path", "main"]
 
 EXIT_USER_ERROR = 2
-COMMANDS = (convert, head_scores, compress, ask, chat, eval_command)  # in the order `kvzip-jax --help` lists them
+COMMANDS = (convert, head_scores, compress, ask, chat, eval_command, methods)  # in the order `kvzip-jax --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:
