@@ -23,9 +23,8 @@ from kvzip_jax.kvzip.scoring import VARIANTS, RereadInputs, evictable_layers, sc
 @dataclasses.dataclass(frozen=True)
 class KVzipConfig:
     """level: pair | pair-uniform | layer | head. variant: softmax (KVzip) | logits (the paper's softmax-free
-    variant; raw logits are not normalised per query row and differ in scale by layer: on Qwen2.5-Coder-0.5B they
-    lose nearly every answer at 0.3 at any level, see the README). kvzip_plus: KVzip+ normalisation (divide by the
-    query's hidden-state norm, times |W_O v|)."""
+    variant: raw logits, not normalised per query row; docs/results.md measures it). kvzip_plus: KVzip+
+    normalisation (divide by the query's hidden-state norm, times |W_O v|)."""
 
     level: str = "pair"
     variant: str = "softmax"

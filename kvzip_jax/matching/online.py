@@ -10,8 +10,7 @@ the paper, which compacts all but the last 20 tokens by half.
 
 Reference queries: the last `window` tokens (default: as many as the cache holds), teacher-forced on top of the full
 cache (the self-study source with the recent text as its one probe): what the model asks while it writes stands for
-what it will ask next. A window of the capacity did better than half of it and than 128 tokens in
-bench/online_compaction.py (fewer reference rows than kept keys over-fit the values). There is no
+what it will ask next (docs/results.md, online compaction, on the window's size). There is no
 reread (the repeat source needs a segment's tokens, and compacted keys have none), so the selector is HAK or OMP,
 not KVzip's scores; budgets are uniform, so every head's segment ends at the same slot for the next compaction.
 
