@@ -17,8 +17,8 @@ from importlib import resources
 import jax
 
 from kvzip_jax import cache as kv
-from kvzip_jax import generate as gen
 from kvzip_jax import dtypes, kvzip, prompts
+from kvzip_jax import generate as gen
 from kvzip_jax.weights import registry
 
 DEFAULT_MODEL = registry.QWEN

@@ -11,7 +11,6 @@ import numpy as np
 
 from kvzip_jax.cache.layouts import RAGGED_BLOCK, KVCache, RaggedLayerCache, _dense_only, kept_per_head, visible_slots
 
-
 STORE_STEPS = 8  # store sizes per octave (power of two): a bucket wastes at most 1/8 of the slots
 
 

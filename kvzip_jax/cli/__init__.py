@@ -54,7 +54,8 @@ from kvzip_jax.errors import KvzipError
 __all__ = ["EXIT_USER_ERROR", "build_parser", "head_scores_path", "main"]
 
 EXIT_USER_ERROR = 2
-COMMANDS = (convert, head_scores, compress, ask, chat, eval_command, methods)  # in the order `kvzip-jax --help` lists them
+# in the order `kvzip-jax --help` lists them
+COMMANDS = (convert, head_scores, compress, ask, chat, eval_command, methods)
 
 
 def build_parser() -> argparse.ArgumentParser:

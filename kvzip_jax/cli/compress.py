@@ -83,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
     compressed = common.quantized(args, kv.pack(masked, room))
     jax.block_until_ready(compressed)
     level = f", {args.level} level" if args.level else ""
-    print(f"{args.method} ({method.paper}{level}) at ratio {args.ratio}: {how} in {time.perf_counter() - start:.1f} s (including compilation)")
+    print(f"{args.method} ({method.paper}{level}) at ratio {args.ratio}: {how} in "
+          f"{time.perf_counter() - start:.1f} s (including compilation)")
     _report_kept(model.cfg, masked, context)
     if args.plot or args.html:
         _pictures(args, model, masked, context)

@@ -6,10 +6,10 @@ last line; opening the file again cuts that line off, so later appends start on 
 is lost or redone.
 
 A sweep's settings (what changes an answer: the model's and tokenizer's identity, the prompt, scoring options,
-RESULTS_VERSION) are written beside the file (<file>.settings.json) when it is created, and every record carries their fingerprint
-and a hash of its example. Opening the file with other settings, or meeting an example that changed under the same
-id, raises SweepMismatchError: results of two configurations are never merged. The grid (methods, modes, ratios)
-and the batching may grow or change between runs.
+RESULTS_VERSION) are written beside the file (<file>.settings.json) when it is created, and every record carries
+their fingerprint and a hash of its example. Opening the file with other settings, or meeting an example that
+changed under the same id, raises SweepMismatchError: results of two configurations are never merged. The grid
+(methods, modes, ratios) and the batching may grow or change between runs.
 
 Processes that share a sweep out (shares.share_of) write one file each into the sweep's folder, results.I-of-N.jsonl
 (results_name); merge(folder) checks that every file there holds the same settings and joins them, each answer once,

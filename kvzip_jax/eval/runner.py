@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvzip_jax import dtypes, kvzip, matching, methods, prompts, sharding
 from kvzip_jax import cache as kv
+from kvzip_jax import dtypes, kvzip, matching, methods, prompts, sharding
 from kvzip_jax import generate as gen
 from kvzip_jax.eval import answering, host_memory, metrics, placement
 from kvzip_jax.eval.batches import Batch, example_hash

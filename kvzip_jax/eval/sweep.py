@@ -31,8 +31,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from kvzip_jax import matching, methods, prompts, sharding
 from kvzip_jax import cache as kv
+from kvzip_jax import matching, methods, prompts, sharding
 from kvzip_jax.eval import host_memory
 from kvzip_jax.eval.batches import capacity_for, example_hash, groups_of, padded, prepare
 from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile

@@ -56,6 +56,7 @@ from kvzip_jax.matching.select import attention_key_scores, orthogonal_matching_
 from kvzip_jax.models import mla
 from kvzip_jax.models.transformer import apply_block, embed_tokens
 
+
 def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
             config: MatchingConfig = MatchingConfig(), probes: Probes | None = None,
             queries: ReferenceQueries | None = None):

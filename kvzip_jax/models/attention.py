@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax.models import layers
+
 # Re-exported: the observers of kvzip/, baselines/ and matching/ import the hook from here.
 from kvzip_jax.models.observer import AttentionView, Observer, map_key_blocks, take_keys  # noqa: F401
 from kvzip_jax.quant import groups as quant

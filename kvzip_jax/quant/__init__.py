@@ -5,7 +5,16 @@ key logits and probability-weighted values over quantized rows with the scales f
 """
 
 from kvzip_jax.quant.folded import folded_logits, folded_values
-from kvzip_jax.quant.groups import BITS, QuantFormat, Quantized, dequantize, error_bound, pack_int4, quantize, unpack_int4
+from kvzip_jax.quant.groups import (
+    BITS,
+    QuantFormat,
+    Quantized,
+    dequantize,
+    error_bound,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
 
 __all__ = ["BITS", "QuantFormat", "Quantized", "dequantize", "error_bound", "folded_logits", "folded_values",
            "pack_int4", "quantize", "unpack_int4"]

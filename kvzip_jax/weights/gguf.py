@@ -24,7 +24,7 @@ from gguf.quants import dequantize
 
 from kvzip_jax.config import FULL, SLIDING, ModelConfig, RopeSpec
 from kvzip_jax.errors import ModelFileError, UnsupportedArchitectureError, WeightShapeError
-from kvzip_jax.weights.assemble import SourceTensor, Slot, assemble_params, placer
+from kvzip_jax.weights.assemble import Slot, SourceTensor, assemble_params, placer
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 ROPE_FREQS = "rope_freqs.weight"  # llama 3 frequency divisors, folded into ModelConfig.rope

@@ -33,6 +33,7 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
         pairs[random_uuid(rng)] = random_uuid(rng)
     items = list(pairs.items())[:num_pairs]
     asked = [items[int(depth * num_pairs)] for depth in haystack.spread_depths(rng, NUM_QUESTIONS)]
-    questions = tuple(f'What is the value of the key "{key}" in the JSON object? Answer with the value only.' for key, _ in asked)
+    questions = tuple(f'What is the value of the key "{key}" in the JSON object? Answer with the value only.'
+                      for key, _ in asked)
     return Example(TASK, example_id, json.dumps(dict(items)), questions, tuple((value,) for _, value in asked),
                    "inclusion", 40)
