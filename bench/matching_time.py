@@ -29,6 +29,7 @@ The figures go to --json as well. The issue's bar: am-hak <= 3x prefill on this 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -41,7 +42,7 @@ import jax
 import numpy as np
 
 from kvzip_jax import generate as gen
-from kvzip_jax import kvzip, matching, prompts
+from kvzip_jax import kvzip, matching, methods, prompts
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
 from kvzip_jax.weights import registry
 
@@ -92,6 +93,11 @@ def kept_fraction(counts, cfg, context_len: int) -> float:
     layers = np.asarray(evictable_layers(cfg))
     counts = np.asarray(counts)[layers]
     return float(counts.sum() / (counts.size * context_len))
+
+
+def method_config(name: str, ratio: float, **choices) -> matching.MatchingConfig:
+    """The MatchingConfig of a registered Attention Matching method (methods registry) at a ratio, with choices."""
+    return dataclasses.replace(methods.get(name).options_for(**choices), ratio=ratio)
 
 
 def main() -> None:
@@ -164,7 +170,7 @@ def main() -> None:
     record("kvzip score+evict", compile_s, times, "reread pass, scores, pair mask")
 
     # 3. am-hak, whole (reference pass + fit)
-    hak = matching.method_config("am-hak", args.ratio)
+    hak = method_config("am-hak", args.ratio)
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, hak), args.repeats)
     record("am-hak", compile_s, times, "matching.compact: reference pass + fit",
            kept=kept_fraction(counts, cfg, n_ctx))
@@ -182,12 +188,12 @@ def main() -> None:
     # 5. am-hak variants: uniform budgets (static fit size ratio x T instead of head_cap x T), KVzip's budgets (the
     # am-hak-kb method: no cap, so the static size is T; the blocked Gram follows the heads' counts), and on-policy
     # (layer by layer, called eagerly: its per-layer steps are jitted, so the run after the first is warm)
-    uniform = matching.method_config("am-hak", args.ratio, budget="uniform")
+    uniform = method_config("am-hak", args.ratio, budget="uniform")
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, uniform),
                                                  args.repeats)
     record("am-hak uniform", compile_s, times, "matching.compact, budget uniform",
            kept=kept_fraction(counts, cfg, n_ctx))
-    kvzip_budgets = matching.method_config("am-hak-kb", args.ratio)
+    kvzip_budgets = method_config("am-hak-kb", args.ratio)
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, kvzip_budgets),
                                                  args.repeats)
     record("am-hak-kb", compile_s, times, "matching.compact, KVzip's uncapped budgets",
@@ -195,14 +201,14 @@ def main() -> None:
     if args.skip_on_policy:
         print("  am-hak-op: skipped (--skip-on-policy)", flush=True)
     else:
-        on_policy = matching.method_config("am-hak-op", args.ratio)
+        on_policy = method_config("am-hak-op", args.ratio)
         compile_s, times, (_, counts) = run_warm(lambda: matching.compact(params, cfg, cache, reread, on_policy),
                                                  args.repeats)
         record("am-hak-op", compile_s, times, "matching.compact, on-policy (eager loop of jitted layer steps)",
                kept=kept_fraction(counts, cfg, n_ctx))
 
     # 6. OMP: fast, then exact
-    fast = matching.method_config("am-omp", args.ratio, omp_step=4, omp_refit=2)
+    fast = method_config("am-omp", args.ratio, omp_step=4, omp_refit=2)
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, fast),
                                                  args.omp_repeats)
     record("am-omp-fast", compile_s, times, "matching.compact, omp_step 4, omp_refit 2",
@@ -211,7 +217,7 @@ def main() -> None:
         print("  am-omp (exact): skipped (--skip-omp-exact)", flush=True)
     else:
         cap = args.omp_exact_query_cap or default.query_cap
-        exact = matching.method_config("am-omp", args.ratio, query_cap=cap)
+        exact = method_config("am-omp", args.ratio, query_cap=cap)
         note = "matching.compact, omp_step 1, omp_refit 1"
         if cap != default.query_cap:
             note += f"; query_cap LOWERED to {cap} (default {default.query_cap}): not the default config's cost"

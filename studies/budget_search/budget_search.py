@@ -30,19 +30,22 @@ import json
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import matching
-from kvzip_jax.eval import sweep, tasks
+from kvzip_jax.eval import batches, sweep, tasks
+from kvzip_jax.eval.runner import SharedInputs, Sweep
 from kvzip_jax.kvzip.scoring import evictable_layers
 from kvzip_jax.matching.budgets import PROFILE_DIR
 from kvzip_jax.weights import registry
 
 TASKS = ("multi_needle", "niah", "passkey", "variable_tracking")
 PROFILE_UNIT = 0.01  # the searched budgets' step, as a fraction of a head's keys
+_compacted = jax.jit(matching.compact_with)
 
 
 def hybrid(base: kv.KVCache, other: kv.KVCache | None, layer: int, head: int, prefix_len, context_len) -> kv.KVCache:
@@ -95,23 +98,23 @@ def measure(args, grid: list[float]):
     config = sweep.SweepConfig(methods=("am-hak",), ratios=(args.ratio,), batch_size=args.contexts)
     examples = [ex for name in TASKS for ex in tasks.generate(name, args.contexts, args.seed, args.context_tokens)]
     examples = [dataclasses.replace(ex, questions=ex.questions[:1], answers=ex.answers[:1]) for ex in examples]
-    items = sweep.prepare(model.tokenizer, examples, config.instruction)
-    capacity = sweep.capacity_for(items)
-    runner = sweep.Sweep(model, config, results=None)
+    items = batches.prepare(model.tokenizer, examples, config.instruction)
+    capacity = batches.capacity_for(items)
+    runner = Sweep(model, config, results=None)
     layers = evictable_layers(cfg)
     heads = [(i, h) for i in layers for h in range(cfg.num_kv_heads)]
     cost = np.zeros((len(TASKS), len(heads), len(grid)))
     start = time.perf_counter()
-    for t, group in enumerate(sweep.groups_of(items, args.contexts)):
-        batch = sweep.padded(group, args.contexts)
+    for t, group in enumerate(batches.groups_of(items, args.contexts)):
+        batch = batches.padded(group, args.contexts)
         prefix_len = np.array([c.context_start for c in batch.contexts], np.int32)
         context_len = np.array([c.context_end - c.context_start for c in batch.contexts], np.int32)
         empty = kv.init_cache(cfg, batch.size, capacity, jnp.float32)
         _, cache = gen.prefill(runner.params, cfg, [c.ids() for c in batch.contexts], empty)
         full = runner._full_answers(batch, cache)
-        shared = sweep._Shared(runner, cache, [c.ids()[c.context_slice] for c in batch.contexts], prefix_len)
-        compacted = {r: sweep._compacted(shared.queries(), cfg, cache, shared.reread(),
-                                         matching.MatchingConfig(ratio=r, budget="uniform"))[0]
+        shared = SharedInputs(runner, batch, cache)
+        compacted = {r: _compacted(shared._field("queries"), cfg, cache, shared._field("reread"),
+                                   matching.MatchingConfig(ratio=r, budget="uniform"))[0]
                      for r in grid if r > 0}
         base = compacted[args.ratio]
 

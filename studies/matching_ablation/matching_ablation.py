@@ -56,20 +56,26 @@ import sys
 
 import numpy as np
 
-from kvzip_jax import cli, matching
-from kvzip_jax.eval import sweep
+from kvzip_jax import cli, matching, methods
+from kvzip_jax.eval import runner
+
+
+def _choices(name: str) -> dict:
+    """A registered Attention Matching method's MatchingConfig choices (methods registry)."""
+    return methods.get(name).option_defaults()
+
 
 HAK_KVZIP_BUDGETS = dict(selector="hak", budget_scores="kvzip")
 VARIANTS = {
     "am-hak-r1": dict(selector="hak", value_ridge=1.0),
     "am-hak-r1e4": dict(selector="hak", value_ridge=1e4),
-    "kvzip-am-r1": dict(matching.METHODS["kvzip-am"], value_ridge=1.0),
+    "kvzip-am-r1": dict(_choices("kvzip-am"), value_ridge=1.0),
     "am-hak-nb": dict(selector="hak", fit_bias=False),
-    "kvzip-am-nb": dict(matching.METHODS["kvzip-am"], fit_bias=False),
+    "kvzip-am-nb": dict(_choices("kvzip-am"), fit_bias=False),
     "am-hak-kb-cap0.75": HAK_KVZIP_BUDGETS,
     "am-hak-kb-cap0.4": dict(HAK_KVZIP_BUDGETS, head_cap=0.4),
     "am-hak-kb-cap0.2": dict(HAK_KVZIP_BUDGETS, head_cap=0.2),
-    "kvzip-am-cap1": dict(matching.METHODS["kvzip-am"], head_cap=1.0),
+    "kvzip-am-cap1": dict(_choices("kvzip-am"), head_cap=1.0),
     "am-hak-cap1": dict(selector="hak", head_cap=1.0),
 }
 KVZIP_PAIRS_FIT = {  # KVzip's own kept pairs (its keys, its uncapped budgets) under parts of the fit, for 0.02
@@ -82,11 +88,11 @@ HAK_PAIRS_KEPT = {  # am-hak-cap1's keys and budgets, kept values, no bias: evic
     "am-hak-cap1-nb-r1e4": dict(VARIANTS["am-hak-cap1"], fit_bias=False, value_ridge=1e4),
 }
 CAP_4X = {  # the earlier default, a head capped at 4x its uniform count, as a fraction at ratios 0.1, 0.05, 0.02
-    "kvzip-am-op-cap0.4": dict(matching.METHODS["kvzip-am-op"], head_cap=0.4),
-    "kvzip-am-op-cap0.2": dict(matching.METHODS["kvzip-am-op"], head_cap=0.2),
-    "kvzip-am-op-cap0.08": dict(matching.METHODS["kvzip-am-op"], head_cap=0.08),
-    "kvzip-am-cap0.08": dict(matching.METHODS["kvzip-am"], head_cap=0.08),
-    "am-hak-op-cap0.08": dict(matching.METHODS["am-hak-op"], head_cap=0.08),
+    "kvzip-am-op-cap0.4": dict(_choices("kvzip-am-op"), head_cap=0.4),
+    "kvzip-am-op-cap0.2": dict(_choices("kvzip-am-op"), head_cap=0.2),
+    "kvzip-am-op-cap0.08": dict(_choices("kvzip-am-op"), head_cap=0.08),
+    "kvzip-am-cap0.08": dict(_choices("kvzip-am"), head_cap=0.08),
+    "am-hak-op-cap0.08": dict(_choices("am-hak-op"), head_cap=0.08),
 }
 
 
@@ -111,15 +117,15 @@ def main() -> int:
     fit_sources = tuple(args.fit_sources.split(",")) if args.fit_sources else None
     oracle = fit_sources == ("oracle",)
     if oracle:  # an upper bound: the fit (and HAK) sees the questions and the full answers
-        sweep.Sweep._full_answers = _keeping_oracle_probes(sweep.Sweep._full_answers)
-        sweep._Shared.probes = lambda shared: shared._sweep.oracle_probes
+        runner.Sweep._full_answers = _keeping_oracle_probes(runner.Sweep._full_answers)
     elif fit_sources and set(fit_sources) - set(matching.SOURCES):
         parser.error(f"--fit-sources must be among {matching.SOURCES}, or oracle alone; got {args.fit_sources}")
     if fit_sources:  # the oracle probes go on top of the cache as self-study turns do
-        sweep._Shared.queries = functools.partialmethod(_fit_queries, ("self-study",) if oracle else fit_sources)
+        sources = ("self-study",) if oracle else fit_sources
+        runner.SharedInputs._queries = functools.partialmethod(_fit_queries, sources, oracle)
     extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT, **HAK_PAIRS_KEPT}
-    matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
-    sweep.METHODS = sweep.METHODS + tuple(extra)
+    for name, choices in extra.items():  # method name -> MatchingConfig choices, registered as the product's own
+        methods.register(methods.compaction.attention_matching(name, "matching_ablation variant", **choices))
     return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
                      "--context-tokens", args.context_tokens, "--batch-size", args.batch_size, "--methods", args.methods,
                      "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
@@ -142,17 +148,16 @@ def _keeping_oracle_probes(full_answers):
     return wrapped
 
 
-def _fit_queries(shared, sources: tuple[str, ...]) -> matching.ReferenceQueries:
+def _fit_queries(shared, sources: tuple[str, ...], oracle: bool = False) -> matching.ReferenceQueries:
     """The sweep's shared reference queries with the rows of `sources` only, and KVzip's scores from the reread (in
-    place of sweep._Shared.queries)."""
-    if shared._queries is None:
-        cap = matching.MatchingConfig().query_cap
-        inputs = (shared._sweep.params, shared._sweep.model.cfg, shared._cache, shared.reread())
-        scores = sweep._reference_queries(*inputs, ("repeat",), cap, with_scores=True).kvzip_scores
-        rows = sweep._reference_queries(*inputs, sources, cap, probes=shared.probes())
-        shared._queries = matching.ReferenceQueries(q=rows.q, valid=rows.valid, kvzip_scores=scores,
-                                                   self_study=rows.self_study)
-    return shared._queries
+    place of runner.SharedInputs._queries, computed once per batch). oracle: the self-study rows are the oracle
+    probes' (this pass only: the methods' inputs carry no probes, so an on-policy method's passes stay the reread's)."""
+    cap = matching.MatchingConfig().query_cap
+    inputs = (shared._sweep.params, shared._sweep.model.cfg, shared._cache, shared._field("reread"))
+    scores = runner._reference_queries(*inputs, ("repeat",), cap, with_scores=True).kvzip_scores
+    probes = shared._sweep.oracle_probes if oracle else shared._field("probes")
+    rows = runner._reference_queries(*inputs, sources, cap, probes=probes)
+    return matching.ReferenceQueries(q=rows.q, valid=rows.valid, kvzip_scores=scores, self_study=rows.self_study)
 
 
 if __name__ == "__main__":

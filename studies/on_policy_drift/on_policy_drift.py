@@ -19,8 +19,8 @@ import numpy as np
 import kvzip_jax
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax import kvzip, matching, prompts
-from kvzip_jax.eval import sweep, tasks
+from kvzip_jax import kvzip, matching, methods, prompts
+from kvzip_jax.eval import batches, tasks
 from kvzip_jax.matching.queries import reference_passes
 from kvzip_jax.models.transformer import apply_block, embed_tokens
 
@@ -34,13 +34,13 @@ def main() -> None:
     args = parser.parse_args()
     model = kvzip_jax.load(args.model)
     cfg, params = model.cfg, model.params
-    items = sweep.prepare(model.tokenizer, tasks.generate(args.task, 1, args.seed, 640), prompts.KVZIP_INSTRUCTION)
-    batch = sweep.padded(items, 1)
-    cache = kv.init_cache(cfg, 1, sweep.capacity_for(items), jnp.float32)
+    items = batches.prepare(model.tokenizer, tasks.generate(args.task, 1, args.seed, 640), prompts.KVZIP_INSTRUCTION)
+    batch = batches.padded(items, 1)
+    cache = kv.init_cache(cfg, 1, batches.capacity_for(items), jnp.float32)
     _, cache = gen.prefill(params, cfg, [c.ids() for c in batch.contexts], cache)
     prefix_len = np.array([c.context_start for c in batch.contexts], np.int32)
     reread = kvzip.reread_inputs(model.tokenizer, prefix_len, [c.ids()[c.context_slice] for c in batch.contexts])
-    on = matching.method_config("kvzip-am-op", args.ratio)
+    on = dataclasses.replace(methods.get("kvzip-am-op").options_for(), ratio=args.ratio)
     off = dataclasses.replace(on, on_policy=False)
     queries = matching.reference_queries(params, cfg, cache, reread, on.sources, on.query_cap, True)
     on_cache, on_counts = matching.compact(params, cfg, cache, reread, on, queries=queries)

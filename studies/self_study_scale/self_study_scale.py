@@ -31,8 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvzip_jax import cli, matching
-from kvzip_jax.eval import report, sweep
+from kvzip_jax import cli, methods
+from kvzip_jax.eval import report, runner
 
 SOURCES = ("repeat", "self-study")
 
@@ -42,7 +42,8 @@ def variants(counts: list[int]) -> dict[str, dict]:
     out = {}
     for n in counts:
         for name in ("am-hak", "am-hak-kb"):
-            out[f"{name}-ss{n}"] = dict(matching.METHODS[name], sources=SOURCES, self_study_queries=n)
+            out[f"{name}-ss{n}"] = dict(methods.get(name).option_defaults(), sources=SOURCES,
+                                        self_study_queries=n)
     return out
 
 
@@ -71,13 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     if counts[0] < 0:
         parser.error("--counts are numbers of queries, >= 0")
     extra = variants(counts)
-    matching.METHODS.update(extra)  # method name -> MatchingConfig choices, as the product's own
-    sweep.METHODS = sweep.METHODS + tuple(extra)
+    for name, choices in extra.items():  # registered as the product's own methods
+        methods.register(methods.compaction.attention_matching(name, "self_study_scale variant", **choices))
     _count_rows(Path(args.out) / "self_study_rows.json")
-    methods = ",".join(["kvzip"] + list(extra))
+    names = ",".join(["kvzip"] + list(extra))
     return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
                      "--context-tokens", args.context_tokens, "--questions-per-context", args.questions_per_context,
-                     "--batch-size", args.batch_size, "--methods", methods, "--ratios", args.ratios, "--seed",
+                     "--batch-size", args.batch_size, "--methods", names, "--ratios", args.ratios, "--seed",
                      args.seed, "--self-study", "--self-study-samples", str(args.samples), "--self-study-tokens",
                      str(args.tokens), "--query-cap", str(2 * max(max(counts), 1)), "--out", args.out]
                     + (["--jsonl", args.jsonl] if args.jsonl else []))
@@ -163,7 +164,7 @@ def _count_rows(path: Path) -> None:
     """Makes the sweep record, per example, the valid self-study rows per KV head and layer its reference pass
     captured (path rewritten after every batch's pass)."""
     seen, batch_ids = (json.loads(path.read_text()) if path.exists() else {}), []
-    run, queries = sweep.Sweep.run, sweep._Shared.queries
+    run, queries = runner.Sweep.run, runner.SharedInputs._queries
 
     def running(self, batch, capacity):
         batch_ids[:] = [f"{ex.task}/{ex.id}" for ex in batch.examples]
@@ -179,7 +180,7 @@ def _count_rows(path: Path) -> None:
             batch_ids.clear()
         return got
 
-    sweep.Sweep.run, sweep._Shared.queries = running, counted
+    runner.Sweep.run, runner.SharedInputs._queries = running, counted
 
 
 if __name__ == "__main__":
