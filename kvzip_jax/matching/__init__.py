@@ -6,7 +6,8 @@
 Modules: queries (reference queries: repeat, context, self-study), self_study (the turns the model writes about a
 context, for the self-study source), select (Highest-Attention-Keys, Orthogonal Matching Pursuit), fit (NNLS biases,
 least-squares values, one KV head), refine (optax steps from the closed form), budgets (uniform, global or
-searched-profile per-head counts), config (MatchingConfig), compact (the whole cache; on-policy: layer by layer).
+searched-profile per-head counts), config (MatchingConfig), heads (per-head selection and fit over a layer
+stack), compact (the whole cache), on_policy (layer by layer).
 """
 
 from kvzip_jax.matching import self_study

@@ -34,7 +34,8 @@ from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.errors import ContextTooLongError, UnsupportedArchitectureError
 from kvzip_jax.kvzip.budget import kept_count
 from kvzip_jax.kvzip.scoring import ContextSpan
-from kvzip_jax.matching.compact import MatchingConfig, compact_with
+from kvzip_jax.matching.compact import compact_with
+from kvzip_jax.matching.config import MatchingConfig
 from kvzip_jax.matching.queries import Probes, reference_queries
 
 
