@@ -4,11 +4,16 @@ PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test test-all test-quality bench models-large
+.PHONY: demo test test-fast test-all test-quality bench models-large
 
 demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
 
+# Two tiers (docs/testing.md), budgets on a clean clone with 2 cores:
+#   make test-fast  the inner loop, at most 5 minutes: tests on tiny random models only. It leaves out every test marked
+#                   real_model (tests/conftest.py sets the mark on each test that uses a bundled model's GGUF; the
+#                   bundled models are then not converted either), besides quality48 and extended.
+#   make test       the whole default suite, at most 20 minutes: real_model tests included.
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its module fixtures
 # load once); tests/conftest.py prints each worker's peak resident memory and fails the run above 6 GB. XLA compiles
 # the tests' programs with LLVM at -O0 (TEST_XLA_FLAGS): the same HLO, no fast-math either way, a quarter less time
@@ -19,10 +24,14 @@ TEST_WORKERS ?= 2
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 TEST_JAX_CACHE ?= $(CURDIR)/checkpoints/_jax_cache
 
+TEST_RUN = XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" JAX_COMPILATION_CACHE_DIR="$(TEST_JAX_CACHE)" \
+	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 --peak-rss-limit-gb 6
+
 test: $(VENV)/.installed-test
-	XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" JAX_COMPILATION_CACHE_DIR="$(TEST_JAX_CACHE)" \
-	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 --peak-rss-limit-gb 6 \
-		-m "not quality48 and not extended" tests
+	$(TEST_RUN) -m "not quality48 and not extended" tests
+
+test-fast: $(VENV)/.installed-test
+	$(TEST_RUN) -m "not real_model and not quality48 and not extended" tests
 
 # Everything, the extended checks and the quality bar included.
 test-all: $(VENV)/.installed-test

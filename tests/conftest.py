@@ -1,17 +1,20 @@
 """Shared fixtures: paths of the three bundled GGUF models (skipped with the install command if absent), their
-tokenizers; after each test module, freed memory goes back to the system (and jax's compiled programs are dropped
+tokenizers; the markers, real_model set on every test that loads a bundled model's weights (make test-fast leaves
+them out); after each test module, freed memory goes back to the system (and jax's compiled programs are dropped
 before the process runs out of memory maps); at the end, each process's peak resident memory is printed and, with
 --peak-rss-limit-gb (make test: 6), checked.
 
 Qwen and Gemma ship in parts; they are assembled once into <checkpoints>/_gguf/ ($KVZIP_CHECKPOINTS, else the
 repository's git-ignored checkpoints/ folder) and reused by later sessions. Before any test, each installed bundled
-model not yet converted is converted there, in a subprocess.
+model not yet converted is converted there, in a subprocess (not when -m leaves out every real_model test).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -52,8 +55,39 @@ def pytest_configure(config):
                             "`make test`)")
     config.addinivalue_line("markers", "extended: a slow check whose behaviour the default run covers through another "
                             "test (`make test-all`, not in `make test`)")
-    if not hasattr(config, "workerinput"):  # the controller, or a run without workers: before any test process starts
-        _convert_bundled_models()
+    config.addinivalue_line("markers", "real_model: loads a bundled model's weights or reads its weight files (set "
+                            "by conftest on every test using a REAL_MODEL_FIXTURES fixture; `make test-fast` leaves "
+                            "these out)")
+    if not hasattr(config, "workerinput") and _may_select_real_model_tests(config.option.markexpr):
+        _convert_bundled_models()  # the controller, or a run without workers: before any test process starts
+
+
+# The fixtures that hand a test a bundled model's GGUF (every real checkpoint, conversion, transformers oracle and
+# restored model in tests/ starts from one of them). A test that reaches real weights another way (getfixturevalue,
+# a file read directly) carries @pytest.mark.real_model itself. A bundled tokenizer alone (bundled_tokenizer,
+# tokenizer_folder) is no real model: it reads the GGUF's vocabulary once per checkout into <checkpoints>/_tokenizers.
+REAL_MODEL_FIXTURES = frozenset({"smollm2_gguf", "qwen_gguf", "qwen_large_gguf", "gemma_gguf"})
+
+
+def _may_select_real_model_tests(markexpr: str) -> bool:
+    """False when the -m expression is false for every test marked real_model, whatever its other marks (make
+    test-fast's "not real_model and ..."): the bundled models then need no conversion. True when unsure."""
+    if not markexpr:
+        return True
+    try:
+        from _pytest.mark.expression import Expression
+        expression = Expression.compile(markexpr)
+        names = sorted(set(re.findall(r"[A-Za-z_][\w.]*", markexpr)) - {"and", "or", "not", "True", "False", "None",
+                                                                       "real_model"})
+        if len(names) > 12:
+            return True
+        for values in itertools.product((False, True), repeat=len(names)):
+            marks = dict(zip(names, values), real_model=True)
+            if expression.evaluate(lambda name, **kwargs: marks.get(name, False)):
+                return True
+        return False
+    except Exception:  # another pytest's internals: convert, as without -m
+        return True
 
 
 # The files whose tests take a minute or more on 2 cores, slowest first: started first, so that the workers end on short
@@ -64,16 +98,20 @@ SLOWEST_FILES = ("test_parity_real.py", "test_kvzip_quality.py", "test_eval_swee
                  "test_weights.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection reads the marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES.intersection(item.fixturenames):  # the fixture closure: indirect uses count
+            item.add_marker(pytest.mark.real_model)
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its tests' order
 
 
 def _convert_bundled_models() -> None:
     """Converts each installed bundled model that has no checkpoint yet, each in a subprocess of its own. A first
-    conversion holds its model about twice (Qwen: 2.5 GB read, 2.5 GB being written by orbax), more than
-    make test's 6 GB limit on top of what a test process already holds, so it runs once here, not inside the first test that
-    loads the model."""
+    conversion holds its model about twice (Qwen: 2.5 GB read, 2.5 GB being written by orbax), more than make test's
+    6 GB limit on top of what a test process already holds, so it runs once here, not inside the first test that loads
+    the model."""
     for name in registry.BUNDLED:
         directory = _checkpoints_dir() / name
         if name in registry.ON_DEMAND or is_checkpoint(directory) or not registry.installed(name):

@@ -65,6 +65,7 @@ def _argmax_step(params, block, num_new, cache, cfg):
     return jnp.argmax(logits, axis=-1), cache
 
 
+@pytest.mark.real_model  # model_pair loads its GGUF through getfixturevalue, out of conftest's sight
 def test_bfloat16_predicts_the_float32_next_token(model_pair):
     name, tok, cfg, p32, p16 = model_pair
     _, tokens = _context(tok, POSITIONS)
@@ -75,6 +76,7 @@ def test_bfloat16_predicts_the_float32_next_token(model_pair):
     assert agreement >= 0.99
 
 
+@pytest.mark.real_model  # model_pair loads its GGUF through getfixturevalue, out of conftest's sight
 def test_bfloat16_keeps_the_float32_kvzip_pairs(model_pair):
     name, tok, cfg, p32, p16 = model_pair
     prompt, tokens = _context(tok, 1000)

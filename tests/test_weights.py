@@ -563,6 +563,7 @@ def test_bundled_model_errors(tmp_path, monkeypatch):
         registry.bundled_gguf("llama-70b", tmp_path)
 
 
+@pytest.mark.real_model  # hashes the installed Qwen weight parts (no fixture)
 def test_parted_gguf_names_the_wrong_missing_or_misordered_part(tmp_path, monkeypatch):
     """Each part's size and sha256 are checked before it is appended: a corrupt, misordered or missing part is a named
     error, and nothing unverified is left in the GGUF cache."""
