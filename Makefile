@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test test-fast test-all test-quality bench models-large
+.PHONY: demo test test-fast lint test-all test-quality bench models-large
 
 demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
@@ -32,6 +32,11 @@ test: $(VENV)/.installed-test
 
 test-fast: $(VENV)/.installed-test
 	$(TEST_RUN) -m "not real_model and not quality48 and not extended" tests
+
+# ruff (configured in pyproject.toml): the lint rules, and the tree as `ruff format` writes it.
+lint: $(VENV)/.installed-test
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 # Everything, the extended checks and the quality bar included.
 test-all: $(VENV)/.installed-test

@@ -40,7 +40,7 @@ from kvzip_jax import kvzip
 from kvzip_jax.config import MLASpec, ModelConfig, RopeSpec, mla_query_scale
 from kvzip_jax.errors import ModelFileError
 from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
-from kvzip_jax.models import attention
+from kvzip_jax.models import attention, ragged_attention
 from kvzip_jax.models.flops import kvzip_scoring_flops, prefill_flops
 from kvzip_jax.models.params import param_shapes
 from kvzip_jax.quant.groups import QuantFormat, Quantized
@@ -48,34 +48,105 @@ from kvzip_jax.weights import registry
 from pallas_kernels import QuantizedRows, decode_attention, ragged_decode
 
 # Real configurations (HF config.json values).
-LLAMA_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5, max_position=131072,
-                       rope=RopeSpec(500000.0, "llama3", 8.0, 1.0, 4.0, 8192), tie_embeddings=False)
-SMOLLM2 = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9,
-                      num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5, max_position=32768,
-                      rope=RopeSpec(100000.0))
-QWEN_05B = ModelConfig(architecture="qwen2", vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14,
-                       num_kv_heads=2, head_dim=64, intermediate_size=4864, rms_norm_eps=1e-6, max_position=32768,
-                       rope=RopeSpec(1000000.0), qkv_bias=True)
+LLAMA_8B = ModelConfig(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rms_norm_eps=1e-5,
+    max_position=131072,
+    rope=RopeSpec(500000.0, "llama3", 8.0, 1.0, 4.0, 8192),
+    tie_embeddings=False,
+)
+SMOLLM2 = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rms_norm_eps=1e-5,
+    max_position=32768,
+    rope=RopeSpec(100000.0),
+)
+QWEN_05B = ModelConfig(
+    architecture="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    head_dim=64,
+    intermediate_size=4864,
+    rms_norm_eps=1e-6,
+    max_position=32768,
+    rope=RopeSpec(1000000.0),
+    qkv_bias=True,
+)
 # DeepSeek-V2-Lite's attention (MLA: 16 heads, latent 512, RoPE key 64, nope 128, value 128, no query
 # down-projection, its YaRN RoPE and softmax temperature) and dense MLP width (random weights).
-V2_LITE_YARN = dict(type="yarn", factor=40, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707,
-                    beta_fast=32, beta_slow=1)
+V2_LITE_YARN = dict(
+    type="yarn",
+    factor=40,
+    original_max_position_embeddings=4096,
+    mscale=0.707,
+    mscale_all_dim=0.707,
+    beta_fast=32,
+    beta_slow=1,
+)
 V2_LITE_ROPE = RopeSpec.from_hf(V2_LITE_YARN, 10000.0)
 V2_LITE_MLA = MLASpec(q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-DEEPSEEK_V2_LITE = ModelConfig(architecture="deepseek", vocab_size=102400, hidden_size=2048, num_layers=27,
-                               num_heads=16, num_kv_heads=1, head_dim=64, intermediate_size=10944, rms_norm_eps=1e-6,
-                               max_position=163840, rope=V2_LITE_ROPE, tie_embeddings=False, mla=V2_LITE_MLA,
-                               query_scale=mla_query_scale(V2_LITE_MLA, V2_LITE_ROPE, V2_LITE_YARN))
+DEEPSEEK_V2_LITE = ModelConfig(
+    architecture="deepseek",
+    vocab_size=102400,
+    hidden_size=2048,
+    num_layers=27,
+    num_heads=16,
+    num_kv_heads=1,
+    head_dim=64,
+    intermediate_size=10944,
+    rms_norm_eps=1e-6,
+    max_position=163840,
+    rope=V2_LITE_ROPE,
+    tie_embeddings=False,
+    mla=V2_LITE_MLA,
+    query_scale=mla_query_scale(V2_LITE_MLA, V2_LITE_ROPE, V2_LITE_YARN),
+)
 # (name, config, batch, context tokens) of random-weight cases, most important first; 124K = 126,976 tokens, the
 # paper's LLaMA3.1-8B setting.
-CASES = [("llama3.1-8b", LLAMA_8B, 1, (126976, 32768)), ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),
-         ("qwen2.5-0.5b", QWEN_05B, 8, (4096, 32768)), ("deepseek-v2-lite-mla", DEEPSEEK_V2_LITE, 4, (32768,))]
-SMOKE = ModelConfig(architecture="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                    head_dim=16, intermediate_size=96, rms_norm_eps=1e-5, max_position=4096, rope=RopeSpec(10000.0))
-SMOKE_MLA = dataclasses.replace(SMOKE, architecture="deepseek", num_kv_heads=1, head_dim=16, query_scale=48**-0.5,
-                                mla=MLASpec(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                                            v_head_dim=16))
+CASES = [
+    ("llama3.1-8b", LLAMA_8B, 1, (126976, 32768)),
+    ("smollm2-135m", SMOLLM2, 8, (4096, 32768)),
+    ("qwen2.5-0.5b", QWEN_05B, 8, (4096, 32768)),
+    ("deepseek-v2-lite-mla", DEEPSEEK_V2_LITE, 4, (32768,)),
+]
+SMOKE = ModelConfig(
+    architecture="llama",
+    vocab_size=256,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    rms_norm_eps=1e-5,
+    max_position=4096,
+    rope=RopeSpec(10000.0),
+)
+SMOKE_MLA = dataclasses.replace(
+    SMOKE,
+    architecture="deepseek",
+    num_kv_heads=1,
+    head_dim=16,
+    query_scale=48**-0.5,
+    mla=MLASpec(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=16),
+)
 SMOKE_CASES = [("smoke", SMOKE, 2, (192,)), ("smoke-mla", SMOKE_MLA, 2, (192,))]
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, dense bf16 FLOP/s
 RATIO = 0.3
@@ -95,11 +166,15 @@ def random_params(cfg: ModelConfig, dtype, seed: int = 0) -> dict:
     """Random params drawn on the device in `dtype` (an 8B model never passes through host memory)."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    paths = [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]
+    ]
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    drawn = [jnp.ones(s, dtype) if "norm" in path else (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
-             for path, s, k in zip(paths, leaves, keys)]
+    drawn = [
+        jnp.ones(s, dtype) if "norm" in path else (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dtype)
+        for path, s, k in zip(paths, leaves, keys)
+    ]
     return jax.tree.unflatten(treedef, drawn)
 
 
@@ -141,9 +216,13 @@ def synthetic_cache(cfg: ModelConfig, batch: int, tokens: int, dtype, seed: int 
     layers = []
     for i in range(cfg.num_layers):
         kk, kv_ = jax.random.split(jax.random.fold_in(key, i))
-        layers.append(kv.LayerCache(k=jax.random.normal(kk, shape(k_width), jnp.float32).astype(dtype),
-                                    v=jax.random.normal(kv_, shape(v_width), jnp.float32).astype(dtype),
-                                    lengths=jnp.full((batch, cfg.num_kv_heads), tokens, jnp.int32)))
+        layers.append(
+            kv.LayerCache(
+                k=jax.random.normal(kk, shape(k_width), jnp.float32).astype(dtype),
+                v=jax.random.normal(kv_, shape(v_width), jnp.float32).astype(dtype),
+                lengths=jnp.full((batch, cfg.num_kv_heads), tokens, jnp.int32),
+            )
+        )
     return kv.KVCache(layers=tuple(layers), next_position=jnp.full((batch,), tokens, jnp.int32))
 
 
@@ -181,20 +260,44 @@ def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
                     k, v = layer.k, layer.v
                     if isinstance(k, Quantized):
                         k, v = (QuantizedRows(x.codes, x.scale, x.zero) for x in (k, v))
-                    out, _ = ragged_decode(rows, k, v, layer.offsets, layer.lengths, scale=cfg.query_scale,
-                                           impl="pallas")
+                    out, _ = ragged_decode(
+                        rows, k, v, layer.offsets, layer.lengths, scale=cfg.query_scale, impl="pallas"
+                    )
                 else:
-                    out, _ = decode_attention(rows, layer.k, layer.v, layer.lengths, layer.keep,
-                                              scale=cfg.query_scale, impl="pallas")
+                    out, _ = decode_attention(
+                        rows, layer.k, layer.v, layer.lengths, layer.keep, scale=cfg.query_scale, impl="pallas"
+                    )
             else:
                 slots = layer.lengths[:, :, None] - 1  # [B, K, 1] the query sits at the last filled slot
                 if isinstance(layer, kv.RaggedLayerCache):
-                    out, _, _ = attention.ragged_attention(q, layer.k, layer.v, layer.offsets, layer.lengths, None,
-                                                           None, slots, None, cfg.query_scale, layer.block,
-                                                           latent_keys=latent)
+                    out, _, _ = ragged_attention.ragged_attention(
+                        q,
+                        layer.k,
+                        layer.v,
+                        layer.offsets,
+                        layer.lengths,
+                        None,
+                        None,
+                        slots,
+                        None,
+                        cfg.query_scale,
+                        layer.block,
+                        latent_keys=latent,
+                    )
                 else:
-                    out, _, _ = attention.blocked_attention(q, layer.k, layer.v, layer.lengths, None, None, slots,
-                                                            None, cfg.query_scale, layer.keep, latent_keys=latent)
+                    out, _, _ = attention.blocked_attention(
+                        q,
+                        layer.k,
+                        layer.v,
+                        layer.lengths,
+                        None,
+                        None,
+                        slots,
+                        None,
+                        cfg.query_scale,
+                        layer.keep,
+                        latent_keys=latent,
+                    )
             total = total + out.astype(jnp.float32).sum()
         return total
 
@@ -230,11 +333,14 @@ def reread_inputs(cfg: ModelConfig, batch: int, tokens: int, chunk: int, seed: i
     return RereadInputs(
         tokens=jnp.asarray(rng.integers(0, cfg.vocab_size, (num_chunks, batch, width)), jnp.int32),
         num_valid=jnp.asarray(np.broadcast_to((REREAD_PROMPT + lengths)[:, None], (num_chunks, batch)), jnp.int32),
-        chunk_start=jnp.asarray(np.broadcast_to((4 + chunk * np.arange(num_chunks))[:, None], (num_chunks, batch)),
-                                jnp.int32),
+        chunk_start=jnp.asarray(
+            np.broadcast_to((4 + chunk * np.arange(num_chunks))[:, None], (num_chunks, batch)), jnp.int32
+        ),
         chunk_len=jnp.asarray(np.broadcast_to(lengths[:, None], (num_chunks, batch)), jnp.int32),
-        prefix_len=jnp.full((batch,), 4, jnp.int32), context_len=jnp.full((batch,), n, jnp.int32),
-        chunk_size=min(chunk, -(-n // 64) * 64))
+        prefix_len=jnp.full((batch,), 4, jnp.int32),
+        context_len=jnp.full((batch,), n, jnp.int32),
+        chunk_size=min(chunk, -(-n // 64) * 64),
+    )
 
 
 def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: int, peak_flops) -> dict:
@@ -253,12 +359,23 @@ def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: 
     extra = None if memory is None else memory.temp_size_in_bytes + memory.output_size_in_bytes
     score_s = timed(lambda: compiled(params, cfg, cache, reread), repeats=1)
     flops = batch * prefill_flops(cfg, tokens)
-    score_flops = batch * kvzip_scoring_flops(cfg, tokens, [int(w) for w in reread.num_valid[:, 0]],
-                                              [int(c) for c in reread.chunk_len[:, 0]], len(evictable_layers(cfg)))
+    score_flops = batch * kvzip_scoring_flops(
+        cfg,
+        tokens,
+        [int(w) for w in reread.num_valid[:, 0]],
+        [int(c) for c in reread.chunk_len[:, 0]],
+        len(evictable_layers(cfg)),
+    )
     mfu = None if not peak_flops else flops / prefill_s / peak_flops
-    return dict(prefill_tokens=tokens, prefill_s=prefill_s, mfu=mfu,
-                score_s=score_s, score_flop_ratio=score_flops / flops, score_extra_bytes=extra,
-                cache_bytes=kv.used_bytes(cache))
+    return dict(
+        prefill_tokens=tokens,
+        prefill_s=prefill_s,
+        mfu=mfu,
+        score_s=score_s,
+        score_flop_ratio=score_flops / flops,
+        score_extra_bytes=extra,
+        cache_bytes=kv.used_bytes(cache),
+    )
 
 
 def decode_figures(params, cfg: ModelConfig, caches: dict, steps: int, peak_bw) -> None:
@@ -270,12 +387,18 @@ def decode_figures(params, cfg: ModelConfig, caches: dict, steps: int, peak_bw) 
         step_s = decode_step(params, cfg, cache, steps)
         bw = step_bytes(params, cache) / step_s
         share = "" if not peak_bw else f" = {bw / peak_bw:.0%} of peak"
-        print(f"[{impl}] decode {form:>11}: attention {attention_s[form] * 1e3:8.3f} ms, step {step_s * 1e3:8.3f} "
-              f"ms/token, {bw / 1e9:7.1f} GB/s{share}; KV {kv.used_bytes(cache) / 2**20:,.1f} MiB visible, "
-              f"{kv.nbytes(cache) / 2**20:,.1f} MiB allocated", flush=True)
-    print(f"[{impl}] attention speed-up at {RATIO} over the full cache: "
-          + ", ".join(f"{form} {attention_s['full'] / attention_s[form]:.2f}x" for form in caches if form != "full")
-          + f" ({time.perf_counter() - started:.0f} s)", flush=True)
+        print(
+            f"[{impl}] decode {form:>11}: attention {attention_s[form] * 1e3:8.3f} ms, step {step_s * 1e3:8.3f} "
+            f"ms/token, {bw / 1e9:7.1f} GB/s{share}; KV {kv.used_bytes(cache) / 2**20:,.1f} MiB visible, "
+            f"{kv.nbytes(cache) / 2**20:,.1f} MiB allocated",
+            flush=True,
+        )
+    print(
+        f"[{impl}] attention speed-up at {RATIO} over the full cache: "
+        + ", ".join(f"{form} {attention_s['full'] / attention_s[form]:.2f}x" for form in caches if form != "full")
+        + f" ({time.perf_counter() - started:.0f} s)",
+        flush=True,
+    )
 
 
 def prefill_figures(params, cfg: ModelConfig, batch: int, tokens: int, chunk: int, peak_flops) -> None:
@@ -284,9 +407,12 @@ def prefill_figures(params, cfg: ModelConfig, batch: int, tokens: int, chunk: in
     mfu = "" if p["mfu"] is None else f", MFU {p['mfu']:.1%}"
     extra, cache_bytes = p["score_extra_bytes"], p["cache_bytes"]
     extra = "n/a" if extra is None else f"{extra / 2**20:.1f} MiB = {extra / cache_bytes:.1%} of the cache"
-    print(f"[{cfg.attention_impl}] prefill {p['prefill_s']:.3f} s{mfu}; KVzip scoring {p['score_s']:.3f} s = "
-          f"{p['score_s'] / p['prefill_s']:.2f}x prefill (FLOP ratio {p['score_flop_ratio']:.2f}); scoring's extra "
-          f"device memory {extra}", flush=True)
+    print(
+        f"[{cfg.attention_impl}] prefill {p['prefill_s']:.3f} s{mfu}; KVzip scoring {p['score_s']:.3f} s = "
+        f"{p['score_s'] / p['prefill_s']:.2f}x prefill (FLOP ratio {p['score_flop_ratio']:.2f}); scoring's extra "
+        f"device memory {extra}",
+        flush=True,
+    )
 
 
 def main(argv=None) -> int:
@@ -299,8 +425,13 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-tokens", type=int, default=32768, help="longest context prefilled and scored")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=kvzip.scoring.DEFAULT_CHUNK)
-    parser.add_argument("--budget-s", type=float, default=420, help="wall seconds: later rows are skipped past it, "
-                        "prefill and scoring past half of it (decode figures come first)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420,
+        help="wall seconds: later rows are skipped past it, "
+        "prefill and scoring past half of it (decode figures come first)",
+    )
     args = parser.parse_args(argv)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     cases = SMOKE_CASES if args.smoke else CASES
@@ -311,9 +442,11 @@ def main(argv=None) -> int:
     cases += [model_case(name, args.model_batch, contexts, dtype) for name in (args.models or "").split(",") if name]
     chunk = 64 if args.smoke else args.chunk_size
     kind, peak_bw, peak_flops = device_peaks()
-    print(f"device {kind} ({jax.default_backend()}), jax {jax.__version__}; params and caches {jnp.dtype(dtype).name}; "
-          f"ratio {RATIO}; peaks: HBM {peak_bw and peak_bw / 1e12} TB/s, bf16 {peak_flops and peak_flops / 1e12} "
-          "TFLOP/s")
+    print(
+        f"device {kind} ({jax.default_backend()}), jax {jax.__version__}; params and caches {jnp.dtype(dtype).name}; "
+        f"ratio {RATIO}; peaks: HBM {peak_bw and peak_bw / 1e12} TB/s, bf16 {peak_flops and peak_flops / 1e12} "
+        "TFLOP/s"
+    )
     clock = time.perf_counter()
     for name, batch, contexts, load in cases:
         base, params = load()
@@ -331,14 +464,17 @@ def main(argv=None) -> int:
             for bits in KV_BITS:  # KVzip + quantization: the ragged cache's kept pairs in int8 / int4
                 caches[f"ragged-int{bits}"] = kv.quantized(ragged, QuantFormat(bits=bits))
             for impl in ("xla", "pallas"):
-                decode_figures(params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps,
-                               peak_bw)
+                decode_figures(
+                    params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps, peak_bw
+                )
             del full, masked, ragged, caches
             for impl in ("xla", "pallas"):
                 cfg = dataclasses.replace(base, attention_impl=impl)
                 if tokens > args.prefill_tokens:
-                    print(f"[{impl}] prefill and scoring not run at {tokens:,} tokens (--prefill-tokens "
-                          f"{args.prefill_tokens:,}); decode above used a synthetic cache")
+                    print(
+                        f"[{impl}] prefill and scoring not run at {tokens:,} tokens (--prefill-tokens "
+                        f"{args.prefill_tokens:,}); decode above used a synthetic cache"
+                    )
                 elif time.perf_counter() - clock > args.budget_s / 2:
                     print(f"[{impl}] prefill and scoring skipped: past half the {args.budget_s:.0f} s budget")
                 else:

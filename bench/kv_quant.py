@@ -71,8 +71,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--ratio", type=float, default=0.3)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    parser.add_argument("--group", type=int, default=None, help="elements per scale (default: the format's, 64 for "
-                        "int8, 16 for int4)")
+    parser.add_argument(
+        "--group", type=int, default=None, help="elements per scale (default: the format's, 64 for int8, 16 for int4)"
+    )
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK)
     parser.add_argument("--decode-tokens", type=int, default=32, help="0: bytes only, no decode timing")
     parser.add_argument("--repeats", type=int, default=3)
@@ -80,11 +81,13 @@ def main() -> None:
 
     model = registry.load(args.model, dtype=args.dtype)
     cfg, tok = model.cfg, model.tokenizer
-    print(f"{model.name} {args.dtype}, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
-          f"KVzip ratio {args.ratio}, groups of " + ", ".join(
-              f"{min(QuantFormat(bits=b, group=args.group).group, cfg.head_dim)} (int{b})" for b in BITS[1:])
-          + f" (head dim {cfg.head_dim}), "
-          f"{args.tokens} context tokens")
+    print(
+        f"{model.name} {args.dtype}, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
+        f"KVzip ratio {args.ratio}, groups of "
+        + ", ".join(f"{min(QuantFormat(bits=b, group=args.group).group, cfg.head_dim)} (int{b})" for b in BITS[1:])
+        + f" (head dim {cfg.head_dim}), "
+        f"{args.tokens} context tokens"
+    )
     context, _ = prompts.split_for_reuse(tok, context_text(tok, args.tokens), ["?"])
     ids = context.ids()
     logits, cache = gen.prefill(model.params, cfg, [ids])
@@ -97,25 +100,38 @@ def main() -> None:
     caches = forms(cache, masked, ragged, args.group)
 
     full_used, full_allocated = kv.used_bytes(cache), kv.nbytes(cache)
-    print(f"\nfull cache at 16 bits: {full_used / 2**20:.2f} MiB kept pairs, {full_allocated / 2**20:.2f} MiB "
-          f"allocated ({len(ids)} tokens, {prefix_len} of them the never-evicted prefix)")
-    print("\n| form | bits | kept pairs (x full 16-bit) | context pairs alone (x full 16-bit) | allocated (x full "
-          "16-bit) |")
+    print(
+        f"\nfull cache at 16 bits: {full_used / 2**20:.2f} MiB kept pairs, {full_allocated / 2**20:.2f} MiB "
+        f"allocated ({len(ids)} tokens, {prefix_len} of them the never-evicted prefix)"
+    )
+    print(
+        "\n| form | bits | kept pairs (x full 16-bit) | context pairs alone (x full 16-bit) | allocated (x full "
+        "16-bit) |"
+    )
     print("|---|---:|---:|---:|---:|")
-    context_used = lambda c: kv.used_bytes(c) - prefix_len * sum(  # the prefix is never evicted
-        cfg.num_kv_heads * kv.pair_bytes(layer.store if isinstance(layer, kv.QuantizedLayerCache) else layer)
-        for layer in c.layers)
+    context_used = lambda c: (
+        kv.used_bytes(c)
+        - prefix_len
+        * sum(  # the prefix is never evicted
+            cfg.num_kv_heads * kv.pair_bytes(layer.store if isinstance(layer, kv.QuantizedLayerCache) else layer)
+            for layer in c.layers
+        )
+    )
     for (name, bits), c in caches.items():
-        print(f"| {name}{'' if name == 'full' else f' {args.ratio}'} | {bits} | {kv.used_bytes(c) / full_used:.4f} | "
-              f"{context_used(c) / context_used(cache):.4f} | {kv.nbytes(c) / full_allocated:.4f} |")
+        print(
+            f"| {name}{'' if name == 'full' else f' {args.ratio}'} | {bits} | {kv.used_bytes(c) / full_used:.4f} | "
+            f"{context_used(c) / context_used(cache):.4f} | {kv.nbytes(c) / full_allocated:.4f} |"
+        )
 
     if args.decode_tokens == 0:  # bytes only
         return
     ragged_caches = {bits: caches["ragged", bits] for bits in BITS}
     seconds = decode_round_robin(model, logits, ragged_caches, args.decode_tokens, args.repeats)
     base = seconds[16]
-    print(f"\ndecode per token from the ragged cache at {args.ratio} (XLA, best of {args.repeats}, in turns): "
-          + ", ".join(f"{bits} bits {seconds[bits] * 1e3:.1f} ms ({seconds[bits] / base:.2f}x)" for bits in BITS))
+    print(
+        f"\ndecode per token from the ragged cache at {args.ratio} (XLA, best of {args.repeats}, in turns): "
+        + ", ".join(f"{bits} bits {seconds[bits] * 1e3:.1f} ms ({seconds[bits] / base:.2f}x)" for bits in BITS)
+    )
 
 
 if __name__ == "__main__":

@@ -125,7 +125,9 @@ def main() -> None:
     text = read(args.context).strip()
     doc_tokens = len(tok.encode(text, add_special_tokens=False))
     # The template prefix, tokenized as KVzipPress does (it never sees a question: the pipeline prefills context only).
-    prefix_len = len(pipe.preprocess("x", [""], "", 10**9)["context_ids"][0]) - len(tok.encode("x", add_special_tokens=False))
+    prefix_len = len(pipe.preprocess("x", [""], "", 10**9)["context_ids"][0]) - len(
+        tok.encode("x", add_special_tokens=False)
+    )
 
     if os.getloadavg()[0] > args.threads:
         log(f"warning: load average {os.getloadavg()[0]:.1f} > {args.threads} threads; timings will be inflated")
@@ -164,8 +166,10 @@ def main() -> None:
             "repeats": args.repeats,
             **versions,
         }
-        log(f"N={n} (+{prefix_len} prefix): prefill {prefill_s:.2f}s, KVzipPress {press_s:.2f}s "
-            f"({press_s / prefill_s:.1f}x), kept {row['kept_fraction']:.3f}")
+        log(
+            f"N={n} (+{prefix_len} prefix): prefill {prefill_s:.2f}s, KVzipPress {press_s:.2f}s "
+            f"({press_s / prefill_s:.1f}x), kept {row['kept_fraction']:.3f}"
+        )
         print(json.dumps(row), flush=True)
 
 

@@ -28,11 +28,10 @@ import sys
 import tempfile
 import time
 
-from kvpress_peer import load, log  # sets the offline environment, imports torch, transformers and kvpress
-
 import torch
 import transformers
 from kvpress import KVzipPress
+from kvpress_peer import load, log  # sets the offline environment, imports torch, transformers and kvpress
 from transformers import pipeline
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -82,16 +81,25 @@ def main() -> int:
         compressed = pipe(context, questions=questions, press=press, max_new_tokens=args.max_new_tokens)["answers"]
         for q, f_answer, c_answer in zip(item["questions"], full, compressed):
             expected = q["answer"].lower()
-            record = dict(context=name, question=q["question"], expected=q["answer"], full=f_answer.strip(),
-                          compressed=c_answer.strip(), full_correct=expected in f_answer.lower(),
-                          correct=expected in c_answer.lower(), equal=f_answer.strip() == c_answer.strip())
+            record = dict(
+                context=name,
+                question=q["question"],
+                expected=q["answer"],
+                full=f_answer.strip(),
+                compressed=c_answer.strip(),
+                full_correct=expected in f_answer.lower(),
+                correct=expected in c_answer.lower(),
+                equal=f_answer.strip() == c_answer.strip(),
+            )
             records.append(record)
             print(json.dumps(record, ensure_ascii=False), flush=True)
         log(f"{name}: {time.perf_counter() - start:.0f} s")
     n = len(records)
-    print(f"kvpress {importlib.metadata.version('kvpress')} KVzipPress at ratio {args.ratio:g}: full cache "
-          f"{sum(r['full_correct'] for r in records)}/{n} right; compressed {sum(r['correct'] for r in records)}/{n} "
-          f"right, {sum(r['equal'] for r in records)}/{n} equal to the full cache's answers")
+    print(
+        f"kvpress {importlib.metadata.version('kvpress')} KVzipPress at ratio {args.ratio:g}: full cache "
+        f"{sum(r['full_correct'] for r in records)}/{n} right; compressed {sum(r['correct'] for r in records)}/{n} "
+        f"right, {sum(r['equal'] for r in records)}/{n} equal to the full cache's answers"
+    )
     return 0
 
 

@@ -84,8 +84,16 @@ def kvpress_figures(python: str, tokens: list[int], text: str) -> dict[int, dict
     """Runs bench/kvpress_peer.py in kvpress's own venv; {tokens: its JSON line}."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
-    command = [python, str(ROOT / "bench" / "kvpress_peer.py"), "--gguf", str(registry.bundled_gguf(registry.SMOLLM2)),
-               "--context", f.name, "--tokens", ",".join(map(str, tokens))]
+    command = [
+        python,
+        str(ROOT / "bench" / "kvpress_peer.py"),
+        "--gguf",
+        str(registry.bundled_gguf(registry.SMOLLM2)),
+        "--context",
+        f.name,
+        "--tokens",
+        ",".join(map(str, tokens)),
+    ]
     print(f"running kvpress: {' '.join(command)}", file=sys.stderr)
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     os.unlink(f.name)
@@ -104,15 +112,21 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--kvpress-python", default=str(ROOT / ".venv-kvpress" / "bin" / "python"))
-    parser.add_argument("--random-weights", action="store_true", help="the checkpoint's config and tokenizer with "
-                        "random params (timing only, for machines without the weights; kvpress is skipped)")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the checkpoint's config and tokenizer with "
+        "random params (timing only, for machines without the weights; kvpress is skipped)",
+    )
     args = parser.parse_args()
 
     model = registry.load_random(registry.SMOLLM2) if args.random_weights else registry.load(registry.SMOLLM2)
     cfg, tok = model.cfg, model.tokenizer
     weights = " (random weights)" if args.random_weights else ""
-    print(f"SmolLM2-135M float32{weights}, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
-          f"KVzip ratio {args.ratio}, chunk {args.chunk_size}, best of {args.repeats}")
+    print(
+        f"SmolLM2-135M float32{weights}, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
+        f"KVzip ratio {args.ratio}, chunk {args.chunk_size}, best of {args.repeats}"
+    )
     score = jax.jit(kvzip.score)
     rows = []
     for n in args.tokens:
@@ -125,8 +139,13 @@ def main() -> None:
 
         num_chunks = reread.tokens.shape[0]
         flops_prefill = prefill_flops(cfg, len(ids))
-        flops_score = kvzip_scoring_flops(cfg, len(ids), [int(w) for w in reread.num_valid[:, 0]],
-                                          [int(c) for c in reread.chunk_len[:, 0]], len(evictable_layers(cfg)))
+        flops_score = kvzip_scoring_flops(
+            cfg,
+            len(ids),
+            [int(w) for w in reread.num_valid[:, 0]],
+            [int(c) for c in reread.chunk_len[:, 0]],
+            len(evictable_layers(cfg)),
+        )
 
         keep = kvzip.keep_mask(scores, reread.context_len, args.ratio, "pair", evictable_layers(cfg))
         masked = kv.mask_context(cache, keep, reread.prefix_len, reread.context_len)
@@ -139,19 +158,35 @@ def main() -> None:
         decode_full = decode_per_token(model, logits, cache, args.decode_tokens, args.repeats)
         decode_masked = decode_per_token(model, logits, masked, args.decode_tokens, args.repeats)
         decode_ragged = decode_per_token(model, logits, ragged, args.decode_tokens, args.repeats)
-        rows.append(dict(tokens=n, context=n_ctx, prefix=prefix_len, chunks=num_chunks, prefill_s=prefill_s,
-                         score_s=score_s, flop_ratio=flops_score / flops_prefill))
+        rows.append(
+            dict(
+                tokens=n,
+                context=n_ctx,
+                prefix=prefix_len,
+                chunks=num_chunks,
+                prefill_s=prefill_s,
+                score_s=score_s,
+                flop_ratio=flops_score / flops_prefill,
+            )
+        )
         print(f"\n== {n_ctx} context tokens (+{prefix_len} prefix), {num_chunks} chunk(s) ==")
-        print(f"prefill {prefill_s:.2f} s; scoring {score_s:.2f} s = {score_s / prefill_s:.2f}x prefill; FLOP ratio "
-              f"{flops_score / flops_prefill:.2f}x -> time/FLOP ratio {score_s / prefill_s / (flops_score / flops_prefill):.2f}"
-              f" ({flops_prefill / prefill_s / 1e9:.0f} and {flops_score / score_s / 1e9:.0f} GFLOP/s)")
-        print(f"KV bytes: full {full_filled / 2**20:.2f} MiB filled ({full_alloc / 2**20:.2f} MiB allocated); ragged "
-              f"at {args.ratio}: {bytes_bare / 2**20:.2f} MiB = {bytes_bare / full_filled:.3f}x filled full, "
-              f"{bytes_bare / full_alloc:.3f}x allocated; with room for {QUESTION_ROOM} tokens "
-              f"{bytes_room / 2**20:.2f} MiB = {bytes_room / full_with_room:.3f}x the full cache with the same room; "
-              f"masked: {kv.nbytes(masked) / 2**20:.2f} MiB")
-        print(f"decode per token: full {decode_full * 1e3:.1f} ms, masked {decode_masked * 1e3:.1f} ms, ragged "
-              f"{decode_ragged * 1e3:.1f} ms ({decode_full / decode_ragged:.2f}x faster than full)")
+        print(
+            f"prefill {prefill_s:.2f} s; scoring {score_s:.2f} s = {score_s / prefill_s:.2f}x prefill; FLOP ratio "
+            f"{flops_score / flops_prefill:.2f}x -> time/FLOP ratio "
+            f"{score_s / prefill_s / (flops_score / flops_prefill):.2f}"
+            f" ({flops_prefill / prefill_s / 1e9:.0f} and {flops_score / score_s / 1e9:.0f} GFLOP/s)"
+        )
+        print(
+            f"KV bytes: full {full_filled / 2**20:.2f} MiB filled ({full_alloc / 2**20:.2f} MiB allocated); ragged "
+            f"at {args.ratio}: {bytes_bare / 2**20:.2f} MiB = {bytes_bare / full_filled:.3f}x filled full, "
+            f"{bytes_bare / full_alloc:.3f}x allocated; with room for {QUESTION_ROOM} tokens "
+            f"{bytes_room / 2**20:.2f} MiB = {bytes_room / full_with_room:.3f}x the full cache with the same room; "
+            f"masked: {kv.nbytes(masked) / 2**20:.2f} MiB"
+        )
+        print(
+            f"decode per token: full {decode_full * 1e3:.1f} ms, masked {decode_masked * 1e3:.1f} ms, ragged "
+            f"{decode_ragged * 1e3:.1f} ms ({decode_full / decode_ragged:.2f}x faster than full)"
+        )
         del cache, masked, ragged, ragged_bare, scores
 
     if args.random_weights:
@@ -167,8 +202,10 @@ def main() -> None:
             print(f"{row['tokens']:>8}   (kvpress gave no figure)")
             continue
         ours = row["prefill_s"] + row["score_s"]
-        print(f"{row['tokens']:>8}   {row['prefill_s']:>12.2f} {row['score_s']:>7.2f}   {peer['prefill_s']:>16.2f} "
-              f"{peer['kvzip_press_s']:>11.2f}   {peer['kvzip_press_s'] / ours:>10.2f}x")
+        print(
+            f"{row['tokens']:>8}   {row['prefill_s']:>12.2f} {row['score_s']:>7.2f}   {peer['prefill_s']:>16.2f} "
+            f"{peer['kvzip_press_s']:>11.2f}   {peer['kvzip_press_s'] / ours:>10.2f}x"
+        )
 
 
 if __name__ == "__main__":

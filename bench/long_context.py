@@ -79,18 +79,18 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
 
     from kvzip_jax import cache as kv
     from kvzip_jax import generate as gen
-    from kvzip_jax import kvzip, prompts
+    from kvzip_jax import kvzip, memory_plan, prompts
     from kvzip_jax.eval import metrics, tasks
     from kvzip_jax.kvzip.scoring import evictable_layers, reread_inputs
-    from kvzip_jax import memory_plan
     from kvzip_jax.weights import registry
 
     model = registry.load(registry.QWEN, dtype="float32")
     tok, cfg, params = model.tokenizer, model.cfg, model.params
     count = lambda text: len(tok.encode(text, add_special_tokens=False))
     example = tasks.generate("multi_needle", 1, seed=0, context_tokens=tokens - 256, count_tokens=count)[0]
-    prompt, suffixes = prompts.split_for_reuse(tok, example.context, example.questions,
-                                               instruction=prompts.named_instruction("kvzip"))
+    prompt, suffixes = prompts.split_for_reuse(
+        tok, example.context, example.questions, instruction=prompts.named_instruction("kvzip")
+    )
     ids = np.asarray(prompt.tokens, np.int32)
     capacity = gen.capacity_for(len(ids) + 128, cfg)
     out = dict(tokens=len(ids), context=prompt.context_end - prompt.context_start, capacity=capacity)
@@ -106,21 +106,23 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     out["prefill_s"] = time.perf_counter() - start
     out["cache_bytes"] = kv.nbytes(cache)
 
-    reread = reread_inputs(tok, [prompt.context_start], [ids[prompt.context_start:prompt.context_end]], chunk)
+    reread = reread_inputs(tok, [prompt.context_start], [ids[prompt.context_start : prompt.context_end]], chunk)
     start = time.perf_counter()
     compiled = jax.jit(kvzip.score).lower(params, cfg, cache, reread).compile()
     out["score_compile_s"] = time.perf_counter() - start
     out["score_temp_bytes"] = compiled.memory_analysis().temp_size_in_bytes  # XLA's own working set of the program
     jax.block_until_ready(cache)
     scores, out["score_s"], before, peak = peak_resident(
-        lambda: jax.block_until_ready(compiled(params, cfg, cache, reread)))
+        lambda: jax.block_until_ready(compiled(params, cfg, cache, reread))
+    )
     out["score_extra_bytes"] = peak["total"] - before["total"]  # the scores [L, 1, K, n] float32 included
     out["score_extra_anon_bytes"] = peak["anon"] - before["anon"]  # allocated memory (heap, XLA's buffers)
     out["score_extra_file_bytes"] = peak["file"] - before["file"]  # mapped files paged in (library code)
     keep = kvzip.keep_mask(scores, reread.context_len, ratio, "pair", evictable_layers(cfg))
     masked = jax.tree.map(jnp.copy, kv.mask_context(cache, keep, reread.prefix_len, reread.context_len))  # own K, V
-    planned = memory_plan.plan(cfg, jnp.float32, out["context"] + prompt.context_start, 1, None, chunk,
-                               capacity=capacity)
+    planned = memory_plan.plan(
+        cfg, jnp.float32, out["context"] + prompt.context_start, 1, None, chunk, capacity=capacity
+    )
     out["planned_workspace_bytes"] = planned.workspace + planned.scores
     del scores, keep
 
@@ -128,8 +130,9 @@ def measure(tokens: int, ratio: float, chunk: int) -> dict:
     right = {"full": 0, "kvzip": 0}
     for suffix, refs in zip(suffixes, example.answers):
         for name in right:
-            answer, kept = gen.ask(params, cfg, cache if name == "full" else masked, suffix, example.max_new_tokens,
-                                   stop_tokens=stops)
+            answer, kept = gen.ask(
+                params, cfg, cache if name == "full" else masked, suffix, example.max_new_tokens, stop_tokens=stops
+            )
             if name == "full":
                 cache = kept
             else:
@@ -144,8 +147,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--ratio", type=float, default=0.3)
     parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK)
-    parser.add_argument("--allocator", choices=("glibc", "returning"), default="glibc",
-                        help="the children's malloc: glibc's defaults, or told to return freed memory (RETURNING)")
+    parser.add_argument(
+        "--allocator",
+        choices=("glibc", "returning"),
+        default="glibc",
+        help="the children's malloc: glibc's defaults, or told to return freed memory (RETURNING)",
+    )
     parser.add_argument("--one", type=int, help=argparse.SUPPRESS)  # a child process: one length, JSON out
     args = parser.parse_args()
     if args.one:
@@ -153,20 +160,25 @@ def main() -> None:
         return
     rows = []
     for tokens in args.tokens:
-        child = subprocess.run([sys.executable, __file__, "--one", str(tokens), "--ratio", str(args.ratio),
-                                "--chunk", str(args.chunk)], capture_output=True, text=True,
-                               env={**os.environ, **(RETURNING if args.allocator == "returning" else {})})
+        child = subprocess.run(
+            [sys.executable, __file__, "--one", str(tokens), "--ratio", str(args.ratio), "--chunk", str(args.chunk)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **(RETURNING if args.allocator == "returning" else {})},
+        )
         if child.returncode:
             sys.exit(f"{tokens} tokens failed:\n{child.stderr[-3000:]}")
         rows.append(json.loads(child.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     MiB = 1 << 20
-    lines = [f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, reread chunk {args.chunk}, KVzip at {args.ratio}, "
-             f"allocator {args.allocator}",
-             "| tokens | prefill s | prefill compile s | scoring s | scoring compile s | cache MiB | scoring extra MiB "
-             "(% of cache) | of it anonymous / file-backed MiB | XLA temp MiB | planned MiB | "
-             "facts right full / KVzip |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, reread chunk {args.chunk}, KVzip at {args.ratio}, "
+        f"allocator {args.allocator}",
+        "| tokens | prefill s | prefill compile s | scoring s | scoring compile s | cache MiB | scoring extra MiB "
+        "(% of cache) | of it anonymous / file-backed MiB | XLA temp MiB | planned MiB | "
+        "facts right full / KVzip |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         lines.append(
             f"| {r['tokens']:,} | {r['prefill_s']:.0f} | {r['prefill_compile_s']:.1f} | {r['score_s']:.0f} | "
@@ -175,7 +187,8 @@ def main() -> None:
             f"{r['score_extra_anon_bytes'] / MiB:.0f} ({100 * r['score_extra_anon_bytes'] / r['cache_bytes']:.1f}%)"
             f" / {r['score_extra_file_bytes'] / MiB:.0f} | {r['score_temp_bytes'] / MiB:.0f} | "
             f"{r['planned_workspace_bytes'] / MiB:.0f} | "
-            f"{r['right_full']} / {r['right_kvzip']} of {r['questions']} |")
+            f"{r['right_full']} / {r['right_kvzip']} of {r['questions']} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     name = "long-context" + (f"-chunk{args.chunk}" if args.chunk != DEFAULT_CHUNK else "")

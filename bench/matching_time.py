@@ -108,15 +108,22 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK, help="KVzip reread chunk")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per step (median reported)")
     parser.add_argument("--omp-repeats", type=int, default=1, help="timed runs of the two OMP steps")
-    parser.add_argument("--omp-exact-query-cap", type=int,
-                        help=f"reference rows per KV head and layer for exact OMP (default: the config's "
-                             f"{matching.MatchingConfig().query_cap}); lower it when exact OMP is too slow")
+    parser.add_argument(
+        "--omp-exact-query-cap",
+        type=int,
+        help=f"reference rows per KV head and layer for exact OMP (default: the config's "
+        f"{matching.MatchingConfig().query_cap}); lower it when exact OMP is too slow",
+    )
     parser.add_argument("--skip-omp-exact", action="store_true", help="leave exact OMP out")
     parser.add_argument("--skip-on-policy", action="store_true", help="leave am-hak-op out")
-    parser.add_argument("--random-weights", action="store_true",
-                        help="the checkpoint's config and tokenizer with random params (timing only)")
-    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "matching_time.json"),
-                        help="where the figures go")
+    parser.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the checkpoint's config and tokenizer with random params (timing only)",
+    )
+    parser.add_argument(
+        "--json", default=str(ROOT / "bench" / "results" / "matching_time.json"), help="where the figures go"
+    )
     args = parser.parse_args()
 
     wall = time.perf_counter()
@@ -127,22 +134,41 @@ def main() -> None:
     prefix_len, n_ctx = context.context_start, len(ids) - context.context_start
     default = matching.MatchingConfig()
     weights = " (random weights)" if args.random_weights else ""
-    print(f"{model.name} {model.dtype}{weights}, jax {jax.__version__} on {jax.default_backend()} "
-          f"({os.cpu_count()} cores); {n_ctx} context tokens (+{prefix_len} prefix); ratio {args.ratio}; reference "
-          f"sources {default.sources}, query_cap {default.query_cap}; median of {args.repeats} "
-          f"(OMP: {args.omp_repeats}); compile excluded", flush=True)
+    print(
+        f"{model.name} {model.dtype}{weights}, jax {jax.__version__} on {jax.default_backend()} "
+        f"({os.cpu_count()} cores); {n_ctx} context tokens (+{prefix_len} prefix); ratio {args.ratio}; reference "
+        f"sources {default.sources}, query_cap {default.query_cap}; median of {args.repeats} "
+        f"(OMP: {args.omp_repeats}); compile excluded",
+        flush=True,
+    )
 
     rows: list[dict] = []
-    meta = dict(model=model.name, dtype=str(model.dtype), random_weights=args.random_weights, jax=jax.__version__,
-                backend=jax.default_backend(), cores=os.cpu_count(), tokens=args.tokens, context_tokens=n_ctx,
-                prefix_tokens=prefix_len, ratio=args.ratio, chunk_size=args.chunk_size, repeats=args.repeats,
-                omp_repeats=args.omp_repeats, query_cap=default.query_cap, bar=BAR)
+    meta = dict(
+        model=model.name,
+        dtype=str(model.dtype),
+        random_weights=args.random_weights,
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        cores=os.cpu_count(),
+        tokens=args.tokens,
+        context_tokens=n_ctx,
+        prefix_tokens=prefix_len,
+        ratio=args.ratio,
+        chunk_size=args.chunk_size,
+        repeats=args.repeats,
+        omp_repeats=args.omp_repeats,
+        query_cap=default.query_cap,
+        bar=BAR,
+    )
 
     def record(step: str, compile_s: float, times: list[float], note: str = "", **extra) -> None:
         seconds = statistics.median(times)
         rows.append(dict(step=step, seconds=seconds, runs=times, compile_s=compile_s, note=note, **extra))
-        print(f"  {step}: {seconds:.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}; compile {compile_s:.1f} s)"
-              f"{'; ' + note if note else ''}", flush=True)
+        print(
+            f"  {step}: {seconds:.2f} s (runs {', '.join(f'{t:.2f}' for t in times)}; compile {compile_s:.1f} s)"
+            f"{'; ' + note if note else ''}",
+            flush=True,
+        )
         write_json()
 
     def write_json() -> None:  # after every step, so an interrupted run keeps what it measured
@@ -164,24 +190,24 @@ def main() -> None:
     reread = kvzip.reread_inputs(tok, [prefix_len], [ids[prefix_len:]], args.chunk_size)
 
     # 2. KVzip scoring + eviction
-    compile_s, times, out = run_compiled(kvzip.score_and_evict, (params, cfg, cache, reread, args.ratio),
-                                         args.repeats)
+    compile_s, times, out = run_compiled(kvzip.score_and_evict, (params, cfg, cache, reread, args.ratio), args.repeats)
     del out
     record("kvzip score+evict", compile_s, times, "reread pass, scores, pair mask")
 
     # 3. am-hak, whole (reference pass + fit)
     hak = method_config("am-hak", args.ratio)
     compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, hak), args.repeats)
-    record("am-hak", compile_s, times, "matching.compact: reference pass + fit",
-           kept=kept_fraction(counts, cfg, n_ctx))
+    record("am-hak", compile_s, times, "matching.compact: reference pass + fit", kept=kept_fraction(counts, cfg, n_ctx))
 
     # 4. am-hak split: the reference pass, then the fit from its queries
-    reference = functools.partial(matching.reference_queries, sources=hak.sources, cap=hak.query_cap,
-                                  with_scores=hak.needs_kvzip_scores)
+    reference = functools.partial(
+        matching.reference_queries, sources=hak.sources, cap=hak.query_cap, with_scores=hak.needs_kvzip_scores
+    )
     compile_s, times, queries = run_compiled(reference, (params, cfg, cache, reread), args.repeats)
     record("  am-hak ref pass", compile_s, times, f"reference_queries ({queries.q[0].shape[2]} rows per head)")
-    compile_s, times, (_, counts) = run_compiled(matching.compact_with, (queries, cfg, cache, reread, hak),
-                                                 args.repeats)
+    compile_s, times, (_, counts) = run_compiled(
+        matching.compact_with, (queries, cfg, cache, reread, hak), args.repeats
+    )
     record("  am-hak fit", compile_s, times, "compact_with from those queries", kept=kept_fraction(counts, cfg, n_ctx))
     del queries
 
@@ -189,30 +215,46 @@ def main() -> None:
     # am-hak-kb method: no cap, so the static size is T; the blocked Gram follows the heads' counts), and on-policy
     # (layer by layer, called eagerly: its per-layer steps are jitted, so the run after the first is warm)
     uniform = method_config("am-hak", args.ratio, budget="uniform")
-    compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, uniform),
-                                                 args.repeats)
-    record("am-hak uniform", compile_s, times, "matching.compact, budget uniform",
-           kept=kept_fraction(counts, cfg, n_ctx))
+    compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, uniform), args.repeats)
+    record(
+        "am-hak uniform", compile_s, times, "matching.compact, budget uniform", kept=kept_fraction(counts, cfg, n_ctx)
+    )
     kvzip_budgets = method_config("am-hak-kb", args.ratio)
-    compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, kvzip_budgets),
-                                                 args.repeats)
-    record("am-hak-kb", compile_s, times, "matching.compact, KVzip's uncapped budgets",
-           kept=kept_fraction(counts, cfg, n_ctx))
+    compile_s, times, (_, counts) = run_compiled(
+        matching.compact, (params, cfg, cache, reread, kvzip_budgets), args.repeats
+    )
+    record(
+        "am-hak-kb",
+        compile_s,
+        times,
+        "matching.compact, KVzip's uncapped budgets",
+        kept=kept_fraction(counts, cfg, n_ctx),
+    )
     if args.skip_on_policy:
         print("  am-hak-op: skipped (--skip-on-policy)", flush=True)
     else:
         on_policy = method_config("am-hak-op", args.ratio)
-        compile_s, times, (_, counts) = run_warm(lambda: matching.compact(params, cfg, cache, reread, on_policy),
-                                                 args.repeats)
-        record("am-hak-op", compile_s, times, "matching.compact, on-policy (eager loop of jitted layer steps)",
-               kept=kept_fraction(counts, cfg, n_ctx))
+        compile_s, times, (_, counts) = run_warm(
+            lambda: matching.compact(params, cfg, cache, reread, on_policy), args.repeats
+        )
+        record(
+            "am-hak-op",
+            compile_s,
+            times,
+            "matching.compact, on-policy (eager loop of jitted layer steps)",
+            kept=kept_fraction(counts, cfg, n_ctx),
+        )
 
     # 6. OMP: fast, then exact
     fast = method_config("am-omp", args.ratio, omp_step=4, omp_refit=2)
-    compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, fast),
-                                                 args.omp_repeats)
-    record("am-omp-fast", compile_s, times, "matching.compact, omp_step 4, omp_refit 2",
-           kept=kept_fraction(counts, cfg, n_ctx))
+    compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, fast), args.omp_repeats)
+    record(
+        "am-omp-fast",
+        compile_s,
+        times,
+        "matching.compact, omp_step 4, omp_refit 2",
+        kept=kept_fraction(counts, cfg, n_ctx),
+    )
     if args.skip_omp_exact:
         print("  am-omp (exact): skipped (--skip-omp-exact)", flush=True)
     else:
@@ -221,8 +263,9 @@ def main() -> None:
         note = "matching.compact, omp_step 1, omp_refit 1"
         if cap != default.query_cap:
             note += f"; query_cap LOWERED to {cap} (default {default.query_cap}): not the default config's cost"
-        compile_s, times, (_, counts) = run_compiled(matching.compact, (params, cfg, cache, reread, exact),
-                                                     args.omp_repeats)
+        compile_s, times, (_, counts) = run_compiled(
+            matching.compact, (params, cfg, cache, reread, exact), args.omp_repeats
+        )
         record("am-omp", compile_s, times, note, kept=kept_fraction(counts, cfg, n_ctx), query_cap=cap)
     del counts
 
@@ -230,8 +273,10 @@ def main() -> None:
     print(f"\n{'step':<20} {'seconds':>8} {'x prefill':>10} {'compile s':>10} {'kept':>6}  note")
     for r in rows:
         kept = f"{r['kept']:.3f}" if "kept" in r else "-"
-        print(f"{r['step']:<20} {r['seconds']:>8.2f} {r['seconds'] / prefill:>10.2f} {r['compile_s']:>10.1f} "
-              f"{kept:>6}  {r['note']}")
+        print(
+            f"{r['step']:<20} {r['seconds']:>8.2f} {r['seconds'] / prefill:>10.2f} {r['compile_s']:>10.1f} "
+            f"{kept:>6}  {r['note']}"
+        )
     if args.skip_omp_exact:
         print(f"{'am-omp':<20} {'skipped':>8}  (--skip-omp-exact)")
     hak_s = next(r["seconds"] for r in rows if r["step"] == "am-hak")

@@ -35,14 +35,19 @@ def reread(tokens: np.ndarray, prefix: int, chunk: int) -> RereadInputs:
     chunks, width = -(-n // chunk), -(-(chunk + 8) // 64) * 64
     rows = np.zeros((chunks, B, width), np.int32)
     for t in range(chunks):
-        piece = tokens[:, prefix + t * chunk: prefix + (t + 1) * chunk]
-        rows[t, :, 8:8 + piece.shape[1]] = piece
+        piece = tokens[:, prefix + t * chunk : prefix + (t + 1) * chunk]
+        rows[t, :, 8 : 8 + piece.shape[1]] = piece
     starts = prefix + chunk * np.arange(chunks)[:, None] + np.zeros((1, B), int)
     lengths = np.clip(n - chunk * np.arange(chunks), 0, chunk)[:, None] + np.zeros((1, B), int)
-    return RereadInputs(tokens=jnp.asarray(rows), num_valid=jnp.asarray(lengths + 8, jnp.int32),
-                        chunk_start=jnp.asarray(starts, jnp.int32), chunk_len=jnp.asarray(lengths, jnp.int32),
-                        prefix_len=jnp.full((B,), prefix, jnp.int32), context_len=jnp.full((B,), n, jnp.int32),
-                        chunk_size=chunk)
+    return RereadInputs(
+        tokens=jnp.asarray(rows),
+        num_valid=jnp.asarray(lengths + 8, jnp.int32),
+        chunk_start=jnp.asarray(starts, jnp.int32),
+        chunk_len=jnp.asarray(lengths, jnp.int32),
+        prefix_len=jnp.full((B,), prefix, jnp.int32),
+        context_len=jnp.full((B,), n, jnp.int32),
+        chunk_size=chunk,
+    )
 
 
 def timed(fn, repeats: int = 1):
@@ -73,8 +78,15 @@ def run(model, mesh, tokens, args):
         decode_s = (time.perf_counter() - start) / args.steps
     per_device = lambda tree: max(sharding.bytes_per_device(tree).values()) / GiB
     keep = np.asarray(jnp.stack([layer.keep for layer in masked.layers]))
-    return dict(prefill=prefill_s, score=score_s, decode_ms=1e3 * decode_s, params=per_device(params),
-                cache=per_device(cache), keep=keep, logits=np.asarray(out[:, 0], np.float32))
+    return dict(
+        prefill=prefill_s,
+        score=score_s,
+        decode_ms=1e3 * decode_s,
+        params=per_device(params),
+        cache=per_device(cache),
+        keep=keep,
+        logits=np.asarray(out[:, 0], np.float32),
+    )
 
 
 def default_meshes(kv_heads: int) -> list[tuple[int, int, int]]:
@@ -101,12 +113,19 @@ def main() -> None:
     model = registry.load_random(args.model, dtype=args.dtype)
     args.capacity = gen.bucket(args.tokens + args.steps + 16)
     tokens = np.random.default_rng(0).integers(100, model.cfg.vocab_size - 100, (args.batch, args.tokens + 16))
-    meshes = [tuple(int(x) for x in m.split(",")) for m in args.meshes] if args.meshes else \
-        default_meshes(model.cfg.num_kv_heads)
-    print(f"{model.name} ({jnp.dtype(dtypes.of_params(model.params)).name}), "
-          f"{jax.device_count()} x {jax.devices()[0].device_kind}, batch {args.batch} x {args.tokens} tokens")
-    print("| mesh (data, seq, tensor) | prefill s | scoring s | decode ms/step | params GiB/dev | cache GiB/dev | "
-          "masks = first | logits = first |")
+    meshes = (
+        [tuple(int(x) for x in m.split(",")) for m in args.meshes]
+        if args.meshes
+        else default_meshes(model.cfg.num_kv_heads)
+    )
+    print(
+        f"{model.name} ({jnp.dtype(dtypes.of_params(model.params)).name}), "
+        f"{jax.device_count()} x {jax.devices()[0].device_kind}, batch {args.batch} x {args.tokens} tokens"
+    )
+    print(
+        "| mesh (data, seq, tensor) | prefill s | scoring s | decode ms/step | params GiB/dev | cache GiB/dev | "
+        "masks = first | logits = first |"
+    )
     print("|---|---:|---:|---:|---:|---:|---|---|")
     first = None
     for shape in meshes:
@@ -114,8 +133,11 @@ def main() -> None:
         first = first or got
         same_keep = bool((got["keep"] == first["keep"]).all())
         close = float(np.abs(got["logits"] - first["logits"]).max()) <= args.atol
-        print(f"| {shape} | {got['prefill']:.2f} | {got['score']:.2f} | {got['decode_ms']:.1f} | {got['params']:.3f} | "
-              f"{got['cache']:.3f} | {same_keep} | {close} |", flush=True)
+        print(
+            f"| {shape} | {got['prefill']:.2f} | {got['score']:.2f} | {got['decode_ms']:.1f} | {got['params']:.3f} | "
+            f"{got['cache']:.3f} | {same_keep} | {close} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -58,14 +58,19 @@ def main():
     cfg, params = params_from_gguf(gguf)
     params = jax.tree.map(jnp.asarray, params)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa").eval()
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
 
     peak_jax, peak_torch = matmul_peak(args.repeats)
-    print(f"SmolLM2-135M float32, {threads} threads (torch.set_num_threads and XLA's pool), jax {jax.__version__}, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}")
+    print(
+        f"SmolLM2-135M float32, {threads} threads (torch.set_num_threads and XLA's pool), jax {jax.__version__}, "
+        f"torch {torch.__version__}, transformers {transformers.__version__}"
+    )
     print(f"2048^3 matmul: JAX {peak_jax:.0f} GFLOP/s, torch {peak_torch:.0f} GFLOP/s")
-    print(f"{'tokens':>7} {'jax s':>7} {'torch s':>8} {'jax/torch':>10} {'jax GF/s':>9} {'torch GF/s':>11} "
-          f"{'jax %peak':>10} {'torch %peak':>12}")
+    print(
+        f"{'tokens':>7} {'jax s':>7} {'torch s':>8} {'jax/torch':>10} {'jax GF/s':>9} {'torch GF/s':>11} "
+        f"{'jax %peak':>10} {'torch %peak':>12}"
+    )
     rng = np.random.default_rng(0)
     for n in args.lengths:
         tokens = rng.integers(0, cfg.vocab_size, (1, n)).astype(np.int32)
@@ -83,8 +88,10 @@ def main():
         t_torch = best_time(run_torch, args.repeats)
         flops = prefill_flops(cfg, n)
         gf_jax, gf_torch = flops / t_jax / 1e9, flops / t_torch / 1e9
-        print(f"{n:>7} {t_jax:>7.2f} {t_torch:>8.2f} {t_jax / t_torch:>10.2f} {gf_jax:>9.0f} {gf_torch:>11.0f} "
-              f"{gf_jax / peak_jax:>10.0%} {gf_torch / peak_torch:>12.0%}")
+        print(
+            f"{n:>7} {t_jax:>7.2f} {t_torch:>8.2f} {t_jax / t_torch:>10.2f} {gf_jax:>9.0f} {gf_torch:>11.0f} "
+            f"{gf_jax / peak_jax:>10.0%} {gf_torch / peak_torch:>12.0%}"
+        )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax import cache as kv
-from kvzip_jax import generate as gen
 from kvzip_jax import dtypes, kvzip, prompts
+from kvzip_jax import generate as gen
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import evictable_layers
 from kvzip_jax.weights import registry
@@ -86,6 +86,7 @@ def _progress(total: int):
     try:
         from tqdm import tqdm
     except ImportError:
+
         class Silent:
             def update(self, n=1):
                 pass
@@ -106,25 +107,41 @@ def observed_span_inputs(tokens, prefix_len: int, context_len: int) -> kvzip.Rer
     tokens = np.asarray(tokens, np.int32)
     width = -(-len(tokens) // 64) * 64
     padded = np.zeros((1, 1, width), np.int32)
-    padded[0, 0, :len(tokens)] = tokens
+    padded[0, 0, : len(tokens)] = tokens
     one = lambda x: jnp.asarray([x], jnp.int32)
-    return kvzip.RereadInputs(tokens=jnp.asarray(padded), num_valid=one([len(tokens)]), chunk_start=one([prefix_len]),
-                              chunk_len=one([context_len]), prefix_len=one(prefix_len), context_len=one(context_len),
-                              chunk_size=-(-context_len // 64) * 64)
+    return kvzip.RereadInputs(
+        tokens=jnp.asarray(padded),
+        num_valid=one([len(tokens)]),
+        chunk_start=one([prefix_len]),
+        chunk_len=one([context_len]),
+        prefix_len=one(prefix_len),
+        context_len=one(context_len),
+        chunk_size=-(-context_len // 64) * 64,
+    )
 
 
-def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), max_new_tokens: int = 32,
-                progress=None, chunk_size: int | None = None,
-                instruction: str | None = prompts.KVZIP_INSTRUCTION,
-                scoring: kvzip.KVzipConfig = kvzip.KVzipConfig(), oracle: bool = False) -> tuple[list[Record], dict]:
+def run_context(
+    model,
+    name: str,
+    item: dict,
+    ratios=RATIOS,
+    levels=("pair",),
+    max_new_tokens: int = 32,
+    progress=None,
+    chunk_size: int | None = None,
+    instruction: str | None = prompts.KVZIP_INSTRUCTION,
+    scoring: kvzip.KVzipConfig = kvzip.KVzipConfig(),
+    oracle: bool = False,
+) -> tuple[list[Record], dict]:
     """Prefills one context once (after KVzip's task instruction, in the never-evicted prefix; None: none), scores
     it once (reread chunks of chunk_size tokens; None: the library's default; score variant and KVzip+ from
     `scoring`), and answers all its questions from the full cache and from the masked cache of every (level, ratio).
     oracle: also the question-aware upper bounds of ORACLES (module docstring). Returns (records, timings in s)."""
     tok, cfg, params = model.tokenizer, model.cfg, model.params
     questions = item["questions"]
-    context, suffixes = prompts.split_for_reuse(tok, item["context"], [q["question"] for q in questions],
-                                                instruction=instruction)
+    context, suffixes = prompts.split_for_reuse(
+        tok, item["context"], [q["question"] for q in questions], instruction=instruction
+    )
     stops = prompts.stop_token_ids(tok)
     timings = {"context_tokens": len(context) - context.context_start}
 
@@ -151,8 +168,18 @@ def run_context(model, name: str, item: dict, ratios=RATIOS, levels=("pair",), m
         text = tok.decode([t for t in tokens if t not in stops]).strip()
         if progress is not None:
             progress.update(1)
-        record = Record(name, qa["question"], qa["answer"], level, ratio, text, qa["answer"].lower() in text.lower(),
-                        full_answers is None or text == full_answers[i], len(tokens), seconds)
+        record = Record(
+            name,
+            qa["question"],
+            qa["answer"],
+            level,
+            ratio,
+            text,
+            qa["answer"].lower() in text.lower(),
+            full_answers is None or text == full_answers[i],
+            len(tokens),
+            seconds,
+        )
         return record, tokens, work
 
     def answer_all(one_cache, level, ratio, full_answers):
@@ -209,18 +236,26 @@ def tables(records: list[Record], ratios, levels) -> str:
         for ratio in ratios:
             rows = [r for r in records if r.level == level and r.ratio == ratio]
             right, equal = sum(r.correct for r in rows), sum(r.equal_to_full for r in rows)
-            lines.append((f"| {level} " if many else "") + f"| {ratio:g} | {_frac(right, len(rows))} "
-                         f"| {_frac(full_right, len(full))} | {_frac(equal, len(rows))} |")
+            lines.append(
+                (f"| {level} " if many else "") + f"| {ratio:g} | {_frac(right, len(rows))} "
+                f"| {_frac(full_right, len(full))} | {_frac(equal, len(rows))} |"
+            )
     names = sorted({r.context for r in records})
-    lines += ["", "Per context: correct / equal to full (of " + str(len(full) // max(len(names), 1)) + " questions)",
-              "", "| level | ratio | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    lines += [
+        "",
+        "Per context: correct / equal to full (of " + str(len(full) // max(len(names), 1)) + " questions)",
+        "",
+        "| level | ratio | " + " | ".join(names) + " |",
+        "|---|---|" + "---|" * len(names),
+    ]
     per = lambda rows, name: [r for r in rows if r.context == name]
     lines.append("| full | - | " + " | ".join(f"{sum(r.correct for r in per(full, n))}" for n in names) + " |")
     for level in levels:
         for ratio in ratios:
             rows = [r for r in records if r.level == level and r.ratio == ratio]
-            cells = [f"{sum(r.correct for r in per(rows, n))} / {sum(r.equal_to_full for r in per(rows, n))}"
-                     for n in names]
+            cells = [
+                f"{sum(r.correct for r in per(rows, n))} / {sum(r.equal_to_full for r in per(rows, n))}" for n in names
+            ]
             lines.append(f"| {level} | {ratio:g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -257,26 +292,44 @@ def resumed(path: str, names, ratios, levels) -> dict[str, list[Record]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=registry.QWEN, help="bundled model name or a model path")
-    parser.add_argument("--ratios", default=",".join(f"{r:g}" for r in RATIOS),
-                        help="comma-separated fractions of context pairs kept")
+    parser.add_argument(
+        "--ratios", default=",".join(f"{r:g}" for r in RATIOS), help="comma-separated fractions of context pairs kept"
+    )
     parser.add_argument("--level", default="pair", help=f"comma-separated eviction levels of {kvzip.LEVELS}")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, help="reread chunk length in tokens (default: the library's)")
     parser.add_argument("--contexts", help="comma-separated context names (default: all bundled)")
     parser.add_argument("--json-out", help="write every answer as a JSON record to this file")
-    parser.add_argument("--instruction", default="kvzip",
-                        help='the task instruction before each context: "kvzip" (KVzip\'s: "'
-                             f'{prompts.KVZIP_INSTRUCTION}"), "none", or any text')
-    parser.add_argument("--variant", default="softmax", choices=kvzip.VARIANTS,
-                        help="score variant: softmax (KVzip) or logits (the paper's softmax-free variant)")
+    parser.add_argument(
+        "--instruction",
+        default="kvzip",
+        help='the task instruction before each context: "kvzip" (KVzip\'s: "'
+        f'{prompts.KVZIP_INSTRUCTION}"), "none", or any text',
+    )
+    parser.add_argument(
+        "--variant",
+        default="softmax",
+        choices=kvzip.VARIANTS,
+        help="score variant: softmax (KVzip) or logits (the paper's softmax-free variant)",
+    )
     parser.add_argument("--kvzip-plus", action="store_true", help="KVzip+ normalisation of the scores")
-    parser.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
-                        help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)")
-    parser.add_argument("--oracle", action="store_true",
-                        help="also the question-aware upper bounds oracle-q and oracle-qa (pair level, one eviction "
-                             "per question; see above)")
-    parser.add_argument("--resume", action="store_true",
-                        help="skip the contexts --json-out already holds in full (a run with the same arguments)")
+    parser.add_argument(
+        "--dtype",
+        choices=dtypes.CHOICES,
+        default="auto",
+        help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)",
+    )
+    parser.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also the question-aware upper bounds oracle-q and oracle-qa (pair level, one eviction "
+        "per question; see above)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="skip the contexts --json-out already holds in full (a run with the same arguments)",
+    )
     args = parser.parse_args(argv)
     if args.resume and not args.json_out:
         parser.error("--resume needs --json-out (the file to continue)")
@@ -296,11 +349,14 @@ def main(argv: list[str] | None = None) -> int:
 
     wall = time.perf_counter()
     model = registry.load(args.model, dtype=args.dtype)
-    print(f"model {model.name} ({model.dtype}) loaded in {time.perf_counter() - wall:.1f} s (jax {jax.__version__}, "
-          f"{jax.default_backend()}); {len(contexts)} contexts; levels {', '.join(levels)}; "
-          f"ratios {', '.join(f'{r:g}' for r in ratios)}; max {args.max_new_tokens} new tokens; reread chunk "
-          f"{args.chunk_size or 'default'}; instruction {instruction!r}; scores {args.variant}"
-          f"{' with KVzip+' if args.kvzip_plus else ''}", flush=True)
+    print(
+        f"model {model.name} ({model.dtype}) loaded in {time.perf_counter() - wall:.1f} s (jax {jax.__version__}, "
+        f"{jax.default_backend()}); {len(contexts)} contexts; levels {', '.join(levels)}; "
+        f"ratios {', '.join(f'{r:g}' for r in ratios)}; max {args.max_new_tokens} new tokens; reread chunk "
+        f"{args.chunk_size or 'default'}; instruction {instruction!r}; scores {args.variant}"
+        f"{' with KVzip+' if args.kvzip_plus else ''}",
+        flush=True,
+    )
     rows_per_question = 1 + (len(levels) + (len(ORACLES) if args.oracle else 0)) * len(ratios)
     total = sum(len(item["questions"]) for item in contexts.values()) * rows_per_question
     done = resumed(args.json_out, contexts, ratios, levels) if args.resume else {}
@@ -312,16 +368,30 @@ def main(argv: list[str] | None = None) -> int:
     for name, item in contexts.items():
         if name in done:
             continue
-        rows, t = run_context(model, name, item, ratios, levels, args.max_new_tokens, progress, args.chunk_size,
-                              instruction, scoring, args.oracle)
+        rows, t = run_context(
+            model,
+            name,
+            item,
+            ratios,
+            levels,
+            args.max_new_tokens,
+            progress,
+            args.chunk_size,
+            instruction,
+            scoring,
+            args.oracle,
+        )
         records += rows
         if args.json_out:
             _write_json_atomically(args.json_out, [dataclasses.asdict(r) for r in records])
         full = [r for r in rows if r.level == FULL]
         seconds = t["answers_s"] + t.get("oracle_s", 0)
-        print(f"\n{name}: {t['context_tokens']} context tokens; prefill {t['prefill_s']:.1f} s, KVzip scoring "
-              f"{t['score_s']:.1f} s (both including any compilation), {len(rows)} answers in {seconds:.1f} s; "
-              f"full cache {sum(r.correct for r in full)}/{len(full)} right", flush=True)
+        print(
+            f"\n{name}: {t['context_tokens']} context tokens; prefill {t['prefill_s']:.1f} s, KVzip scoring "
+            f"{t['score_s']:.1f} s (both including any compilation), {len(rows)} answers in {seconds:.1f} s; "
+            f"full cache {sum(r.correct for r in full)}/{len(full)} right",
+            flush=True,
+        )
     progress.close()
 
     print()

@@ -21,9 +21,16 @@ def records() -> list[dict]:
         if not entry.name.endswith(".json"):
             continue
         item = json.loads(entry.read_text())
-        out.append({"id": Path(entry.name).stem, "task": "quality", "context": item["context"],
-                    "queries": [q["question"] for q in item["questions"]],
-                    "answers": [q["answer"] for q in item["questions"]], "metric": "inclusion"})
+        out.append(
+            {
+                "id": Path(entry.name).stem,
+                "task": "quality",
+                "context": item["context"],
+                "queries": [q["question"] for q in item["questions"]],
+                "answers": [q["answer"] for q in item["questions"]],
+                "metric": "inclusion",
+            }
+        )
     return out
 
 

@@ -50,10 +50,12 @@ def main() -> None:
     model = registry.load_random(args.model) if args.random_weights else registry.load(args.model)
     examples = tasks.generate(args.task, args.contexts, 0, args.context_tokens)
     common = dict(methods=tuple(args.methods.split(",")), ratios=tuple(float(r) for r in args.ratios.split(",")))
-    print(f"{model.name} on {jax.devices()[0].platform} x{len(jax.devices())} ({sharding.data_mesh().size} "
-          f"in the mesh); {args.contexts} {args.task} contexts of ~{args.context_tokens} tokens, "
-          f"{sum(len(e.questions) for e in examples)} questions; methods {args.methods}; ratios {args.ratios}"
-          + ("; random weights" if args.random_weights else ""))
+    print(
+        f"{model.name} on {jax.devices()[0].platform} x{len(jax.devices())} ({sharding.data_mesh().size} "
+        f"in the mesh); {args.contexts} {args.task} contexts of ~{args.context_tokens} tokens, "
+        f"{sum(len(e.questions) for e in examples)} questions; methods {args.methods}; ratios {args.ratios}"
+        + ("; random weights" if args.random_weights else "")
+    )
     batched = timed_sweep(model, examples, SweepConfig(batch_size=args.batch_size, **common))
     single = timed_sweep(model, examples, SweepConfig(batch_size=1, **common))
     print("| setting | seconds | contexts/s |\n|---|---|---|")

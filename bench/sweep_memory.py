@@ -41,15 +41,38 @@ def main() -> None:
     rows = []
     for count in sorted({1, len(tasks)}):
         with tempfile.TemporaryDirectory() as out:
-            command = [sys.executable, "-m", "kvzip_jax.cli", "eval", "--model", args.model, "--tasks",
-                       ",".join(tasks[:count]), "--contexts", str(args.contexts), "--context-tokens",
-                       str(args.context_tokens), "--batch-size", str(args.contexts), "--methods", args.methods,
-                       "--ratios", args.ratios, "--questions-per-context", "3", "--out", out, "--no-progress"]
+            command = [
+                sys.executable,
+                "-m",
+                "kvzip_jax.cli",
+                "eval",
+                "--model",
+                args.model,
+                "--tasks",
+                ",".join(tasks[:count]),
+                "--contexts",
+                str(args.contexts),
+                "--context-tokens",
+                str(args.context_tokens),
+                "--batch-size",
+                str(args.contexts),
+                "--methods",
+                args.methods,
+                "--ratios",
+                args.ratios,
+                "--questions-per-context",
+                "3",
+                "--out",
+                out,
+                "--no-progress",
+            ]
             gib, seconds = peak_rss(command)
         rows.append((count, gib, seconds))
         print(f"{count} task(s): peak RSS {gib:.2f} GiB, {seconds:.0f} s", flush=True)
-    print(f"\n{args.model}; {args.contexts} contexts x ~{args.context_tokens} tokens per task; methods {args.methods}; "
-          f"ratios {args.ratios}\n")
+    print(
+        f"\n{args.model}; {args.contexts} contexts x ~{args.context_tokens} tokens per task; methods {args.methods}; "
+        f"ratios {args.ratios}\n"
+    )
     print("| tasks | peak RSS (GiB) | seconds |\n|---|---|---|")
     for count, gib, seconds in rows:
         print(f"| {count} ({','.join(tasks[:count])}) | {gib:.2f} | {seconds:.0f} |")

@@ -74,12 +74,17 @@ def save(directory: str | Path, cache: kv.KVCache, model, meta: dict | None = No
     layers = [_layer_layout(layer) for layer in cache.layers]
     arrays = {jax.tree_util.keystr(path): _sha256(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
     manifest = {
-        "format": FORMAT, "layout_version": _layout_version(cache),
+        "format": FORMAT,
+        "layout_version": _layout_version(cache),
         "kvzip_jax": package_version("kvzip-jax"),
         "model": {"name": model.name, **model_identity(model.cfg, model.params)},
-        "tokenizer": tokenizer_hash(model.tokenizer), "dtype": np.dtype(dtypes.of_params(model.params)).name,
-        "batch_size": cache.batch_size, "next_position": np.asarray(cache.next_position).tolist(),
-        "layers": layers, "sha256": arrays, "meta": meta or {},
+        "tokenizer": tokenizer_hash(model.tokenizer),
+        "dtype": np.dtype(dtypes.of_params(model.params)).name,
+        "batch_size": cache.batch_size,
+        "next_position": np.asarray(cache.next_position).tolist(),
+        "layers": layers,
+        "sha256": arrays,
+        "meta": meta or {},
     }
     with atomic_dir(directory, overwrite) as tmp:
         with ocp.StandardCheckpointer() as checkpointer:
@@ -99,16 +104,19 @@ def read_manifest(directory: str | Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
-        raise CacheCorruptError(f"{directory} is not a saved cache (no {MANIFEST}: never saved, or the save did not "
-                                "finish)") from None
+        raise CacheCorruptError(
+            f"{directory} is not a saved cache (no {MANIFEST}: never saved, or the save did not finish)"
+        ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise CacheCorruptError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CacheFormatError(f"{path} is not a {FORMAT} manifest")
     version = manifest.get("layout_version")
     if not isinstance(version, int) or version > LAYOUT_VERSION:
-        raise CacheFormatError(f"{directory} has cache layout version {version}; this kvzip-jax "
-                               f"({package_version('kvzip-jax')}) reads up to {LAYOUT_VERSION}: upgrade kvzip-jax")
+        raise CacheFormatError(
+            f"{directory} has cache layout version {version}; this kvzip-jax "
+            f"({package_version('kvzip-jax')}) reads up to {LAYOUT_VERSION}: upgrade kvzip-jax"
+        )
     return manifest
 
 
@@ -117,13 +125,17 @@ def check_model(manifest: dict, model) -> None:
     saved = manifest["model"]
     dtype = np.dtype(dtypes.of_params(model.params)).name
     if manifest["dtype"] != dtype:
-        raise CacheMismatchError(f"the cache was saved in {manifest['dtype']}; this model runs in {dtype} (load the "
-                                 f"model with dtype={manifest['dtype']!r})")
+        raise CacheMismatchError(
+            f"the cache was saved in {manifest['dtype']}; this model runs in {dtype} (load the "
+            f"model with dtype={manifest['dtype']!r})"
+        )
     identity = model_identity(model.cfg, model.params)
     for field, what in (("config", "configuration"), ("params", "weights")):
         if saved[field] != identity[field]:
-            raise CacheMismatchError(f"the cache was saved with model {saved['name']!r}, whose {what} differ from "
-                                     f"those of {model.name!r} ({field} {saved[field]} vs {identity[field]})")
+            raise CacheMismatchError(
+                f"the cache was saved with model {saved['name']!r}, whose {what} differ from "
+                f"those of {model.name!r} ({field} {saved[field]} vs {identity[field]})"
+            )
     if manifest["tokenizer"] != tokenizer_hash(model.tokenizer):
         raise CacheMismatchError(f"the cache was saved with another tokenizer or chat template than {model.name!r}'s")
 
@@ -149,8 +161,10 @@ def load(directory: str | Path, model) -> tuple[kv.KVCache, dict]:
     for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
         name = jax.tree_util.keystr(path)
         if manifest["sha256"].get(name) != _sha256(leaf):
-            raise CacheCorruptError(f"{directory / ARRAYS}: array {name} does not match its checksum (the files were "
-                                    "changed or damaged after saving)")
+            raise CacheCorruptError(
+                f"{directory / ARRAYS}: array {name} does not match its checksum (the files were "
+                "changed or damaged after saving)"
+            )
     return _cache(tree, manifest), manifest
 
 
@@ -164,8 +178,10 @@ def _layout_version(cache: kv.KVCache) -> int:
 
 def _tree(cache: kv.KVCache) -> dict:
     """The cache as a plain dict of arrays (what orbax stores)."""
-    return {"layers": {str(i): _fields(layer) for i, layer in enumerate(cache.layers)},
-            "next_position": cache.next_position}
+    return {
+        "layers": {str(i): _fields(layer) for i, layer in enumerate(cache.layers)},
+        "next_position": cache.next_position,
+    }
 
 
 def _fields(layer) -> dict:
@@ -190,9 +206,17 @@ def _layer_layout(layer) -> dict:
     if isinstance(layer, kv.QuantizedLayerCache):
         fmt = layer.store.k.format
         store = RAGGED if isinstance(layer.store, kv.RaggedLayerCache) else DENSE
-        return {"kind": QUANTIZED, "store": store, "block": getattr(layer.store, "block", None), "bits": fmt.bits,
-                "group": fmt.group, "v_group": layer.store.v.format.group,  # they differ where k and v do (MLA)
-                "scale_dtype": fmt.scale_dtype, "window": layer.window.capacity, "fields": fields}
+        return {
+            "kind": QUANTIZED,
+            "store": store,
+            "block": getattr(layer.store, "block", None),
+            "bits": fmt.bits,
+            "group": fmt.group,
+            "v_group": layer.store.v.format.group,  # they differ where k and v do (MLA)
+            "scale_dtype": fmt.scale_dtype,
+            "window": layer.window.capacity,
+            "fields": fields,
+        }
     if isinstance(layer, kv.RaggedLayerCache):
         return {"kind": RAGGED, "block": layer.block, "fields": fields}
     return {"kind": DENSE, "fields": fields}
@@ -208,29 +232,34 @@ def _abstract(manifest: dict, dtype) -> dict:
     for i, layout in enumerate(manifest["layers"]):
         if layout["kind"] not in (DENSE, RAGGED, QUANTIZED):
             raise CacheFormatError(f"unknown layer kind {layout['kind']!r}")
-        layers[str(i)] = {name: jax.ShapeDtypeStruct(tuple(shape), dtype if name in MODEL_DTYPE_FIELDS
-                                                     else np.dtype(kind), sharding=sharding)
-                          for name, (shape, kind) in layout["fields"].items()}
+        layers[str(i)] = {
+            name: jax.ShapeDtypeStruct(
+                tuple(shape), dtype if name in MODEL_DTYPE_FIELDS else np.dtype(kind), sharding=sharding
+            )
+            for name, (shape, kind) in layout["fields"].items()
+        }
     position = jax.ShapeDtypeStruct((manifest["batch_size"],), np.int32, sharding=sharding)
     return {"layers": layers, "next_position": position}
 
 
 def _cache(tree: dict, manifest: dict) -> kv.KVCache:
-    return kv.KVCache(layers=tuple(_layer(dict(tree["layers"][str(i)]), layout)
-                                   for i, layout in enumerate(manifest["layers"])),
-                      next_position=tree["next_position"])
+    return kv.KVCache(
+        layers=tuple(_layer(dict(tree["layers"][str(i)]), layout) for i, layout in enumerate(manifest["layers"])),
+        next_position=tree["next_position"],
+    )
 
 
 def _layer(fields: dict, layout: dict):
     if layout["kind"] == QUANTIZED:
         for name in ("k", "v"):
-            fields[name] = quant.Quantized(*(fields.pop(f"{name}_{part}") for part in QUANT_FIELDS),
-                                           bits=layout["bits"])
-        window = kv.LayerCache(k=fields.pop("window_k"), v=fields.pop("window_v"),
-                               lengths=fields.pop("window_lengths"))
+            fields[name] = quant.Quantized(
+                *(fields.pop(f"{name}_{part}") for part in QUANT_FIELDS), bits=layout["bits"]
+            )
+        window = kv.LayerCache(k=fields.pop("window_k"), v=fields.pop("window_v"), lengths=fields.pop("window_lengths"))
         key_center = fields.pop("key_center", None)
-        return kv.QuantizedLayerCache(store=_layer(fields, {**layout, "kind": layout["store"]}), window=window,
-                                      key_center=key_center)
+        return kv.QuantizedLayerCache(
+            store=_layer(fields, {**layout, "kind": layout["store"]}), window=window, key_center=key_center
+        )
     if layout["kind"] == RAGGED:
         return kv.RaggedLayerCache(block=layout["block"], **fields)
     return kv.LayerCache(**fields)
@@ -238,4 +267,3 @@ def _layer(fields: dict, layout: dict):
 
 def _sha256(x) -> str:
     return hashlib.sha256(np.ascontiguousarray(np.asarray(x)).tobytes()).hexdigest()
-

@@ -30,8 +30,15 @@ ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "deepseek")
 FULL, SLIDING = "full", "sliding"
 MLA_FORMS = ("absorbed", "naive")
 
-_HF_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma3": "gemma3",
-                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek"}
+_HF_MODEL_TYPES = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
+}
 
 
 @jax.tree_util.register_static
@@ -99,10 +106,17 @@ class RopeSpec:
             attention_factor = params.get("attention_factor")
             if attention_factor is None:
                 mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-                attention_factor = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-                                    if mscale and mscale_all_dim else yarn_mscale(factor))
-            yarn = YarnSpec(attention_factor=float(attention_factor), beta_fast=float(params.get("beta_fast") or 32),
-                            beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)))
+                attention_factor = (
+                    yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+                    if mscale and mscale_all_dim
+                    else yarn_mscale(factor)
+                )
+            yarn = YarnSpec(
+                attention_factor=float(attention_factor),
+                beta_fast=float(params.get("beta_fast") or 32),
+                beta_slow=float(params.get("beta_slow") or 1),
+                truncate=bool(params.get("truncate", True)),
+            )
             return cls(theta=theta, kind=kind, factor=float(factor), original_max_position=original, yarn=yarn)
         return cls(
             theta=theta,
@@ -166,8 +180,10 @@ class ModelConfig:
         if (self.architecture == "deepseek") != (self.mla is not None):
             raise ValueError("the deepseek architecture, and it alone, has an MLASpec")
         if self.mla is not None and (self.num_kv_heads != 1 or self.head_dim != self.mla.qk_rope_head_dim):
-            raise ValueError("an MLA cache is one latent 'KV head' whose key is the RoPE part: num_kv_heads 1, "
-                             "head_dim qk_rope_head_dim")
+            raise ValueError(
+                "an MLA cache is one latent 'KV head' whose key is the RoPE part: num_kv_heads 1, "
+                "head_dim qk_rope_head_dim"
+            )
         if self.query_scale == 0.0:
             object.__setattr__(self, "query_scale", self.head_dim**-0.5)
 
@@ -272,8 +288,9 @@ class ModelConfig:
         layer_types = hf.get("layer_types")
         if layer_types is None:
             pattern = hf.get("sliding_window_pattern", 6)
-            layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                           for i in range(common["num_layers"])]
+            layer_types = [
+                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(common["num_layers"])
+            ]
         if hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping"):
             raise UnsupportedArchitectureError("Gemma logit soft-capping is not supported (Gemma 3 has none)")
         return cls(
@@ -299,15 +316,24 @@ def _deepseek(hf: dict, common: dict, rope_params, theta: float) -> ModelConfig:
     if hf.get("n_routed_experts") and (dense is None or dense < layers):
         raise UnsupportedArchitectureError(
             f"{hf.get('model_type')} with mixture-of-experts layers is not supported (n_routed_experts "
-            f"{hf.get('n_routed_experts')}, first_k_dense_replace {dense} < {layers} layers): only dense MLP layers")
+            f"{hf.get('n_routed_experts')}, first_k_dense_replace {dense} < {layers} layers): only dense MLP layers"
+        )
     if hf.get("attention_bias"):
         raise UnsupportedArchitectureError(f"{hf.get('model_type')} with attention_bias=True is not supported")
     rope = RopeSpec.from_hf(rope_params, theta, common["max_position"])
-    mla = MLASpec(q_lora_rank=hf.get("q_lora_rank"), kv_lora_rank=hf["kv_lora_rank"],
-                  qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                  v_head_dim=hf["v_head_dim"])
-    return ModelConfig(**{**common, "num_kv_heads": 1, "head_dim": mla.qk_rope_head_dim}, rope=rope, mla=mla,
-                       query_scale=mla_query_scale(mla, rope, rope_params))
+    mla = MLASpec(
+        q_lora_rank=hf.get("q_lora_rank"),
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+    )
+    return ModelConfig(
+        **{**common, "num_kv_heads": 1, "head_dim": mla.qk_rope_head_dim},
+        rope=rope,
+        mla=mla,
+        query_scale=mla_query_scale(mla, rope, rope_params),
+    )
 
 
 def mla_query_scale(mla: MLASpec, rope: RopeSpec, rope_params: Mapping[str, Any] | None) -> float:

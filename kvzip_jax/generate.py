@@ -39,8 +39,7 @@ def capacity_for(num_tokens: int, cfg: ModelConfig) -> int:
     return min(bucket(num_tokens, MIN_CAPACITY), cfg.max_position)
 
 
-def append_tokens(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, logits: str | None = "last",
-                  at=None):
+def append_tokens(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, logits: str | None = "last", at=None):
     """tokens [B, T] (the first num_new [B] real) appended at each row's next position. -> (logits, cache).
     logits and at as in models.transformer.forward."""
     positions = cache.next_position[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, T]
@@ -74,8 +73,17 @@ def _as_rows(tokens) -> list[np.ndarray]:
     return rows
 
 
-def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *, capacity: int | None = None,
-            chunk: int = DEFAULT_CHUNK, reserve: int = 256, on_chunk: Callable[[int, int], None] | None = None):
+def prefill(
+    params,
+    cfg: ModelConfig,
+    tokens,
+    cache: kv.KVCache | None = None,
+    *,
+    capacity: int | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    reserve: int = 256,
+    on_chunk: Callable[[int, int], None] | None = None,
+):
     """Appends token rows (a list of sequences, or [B, T]) to cache in chunks; returns (last_logits [B, V], cache).
 
     With no cache, a fresh one (in the params' dtype) is made with capacity `capacity` or the bucket of the longest
@@ -91,17 +99,20 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
         raise ValueError(f"{B} token rows for a cache of batch size {cache.batch_size}")
     positions_after = lengths + (0 if cache is None else to_host(cache.next_position))  # [B]
     if np.any(positions_after > cfg.max_position):
-        raise ContextTooLongError(f"position {int(positions_after.max())} exceeds the model's maximum context of "
-                                  f"{cfg.max_position}")
+        raise ContextTooLongError(
+            f"position {int(positions_after.max())} exceeds the model's maximum context of {cfg.max_position}"
+        )
     if cache is None:
         need = int(lengths.max())
-        cache = kv.init_cache(cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg),
-                              dtypes.of_params(params))
+        cache = kv.init_cache(
+            cfg, B, capacity or capacity_for(min(need + reserve, cfg.max_position), cfg), dtypes.of_params(params)
+        )
     cache = on_params_device(cache, params)
     room = to_host(cache.room())  # [B]
     if np.any(lengths > room):
-        raise ContextTooLongError(f"{int(lengths.max())} new tokens exceed the cache's capacity: room for "
-                                  f"{int(room.min())} more")
+        raise ContextTooLongError(
+            f"{int(lengths.max())} new tokens exceed the cache's capacity: room for {int(room.min())} more"
+        )
 
     last_logits = None
     for start in range(0, int(lengths.max()), chunk):
@@ -109,8 +120,8 @@ def prefill(params, cfg: ModelConfig, tokens, cache: kv.KVCache | None = None, *
         width = min(chunk, bucket(int(num_new.max())))
         block = np.zeros((B, width), np.int32)  # [B, T] right-padded
         for b, row in enumerate(rows):
-            piece = row[start:start + width]
-            block[b, :piece.size] = piece
+            piece = row[start : start + width]
+            block[b, : piece.size] = piece
         logits, cache = forward_step(params, jnp.asarray(block), jnp.asarray(num_new), cache, cfg)
         logits = logits[:, 0]  # [B, V]
         last_logits = logits if last_logits is None else jnp.where((num_new > 0)[:, None], logits, last_logits)
@@ -153,8 +164,9 @@ def sample(logits: jax.Array, sampling: Sampling, key: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("buffer",))
-def _decode_loop(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new, stop_tokens, sampling: Sampling,
-                 buffer: int):
+def _decode_loop(
+    params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new, stop_tokens, sampling: Sampling, buffer: int
+):
     B = logits.shape[0]
 
     def cond(state):
@@ -179,8 +191,17 @@ def _decode_loop(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new, s
     return out, cache, logits
 
 
-def decode(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new_tokens: int, *,
-           stop_tokens: Sequence[int] = (), sampling: Sampling | None = None, return_logits: bool = False):
+def decode(
+    params,
+    cfg: ModelConfig,
+    logits,
+    cache: kv.KVCache,
+    max_new_tokens: int,
+    *,
+    stop_tokens: Sequence[int] = (),
+    sampling: Sampling | None = None,
+    return_logits: bool = False,
+):
     """Generates up to max_new_tokens from the logits [B, V] of the last prefilled token.
 
     Returns (tokens list per row, cache), plus with return_logits the logits [B, V] after each row's last fed
@@ -193,16 +214,32 @@ def decode(params, cfg: ModelConfig, logits, cache: kv.KVCache, max_new_tokens: 
     if len(stop_tokens) > MAX_STOP_TOKENS:
         raise ValueError(f"at most {MAX_STOP_TOKENS} stop tokens, got {len(stop_tokens)}")
     stops = np.full((MAX_STOP_TOKENS,), -1, np.int32)
-    stops[:len(stop_tokens)] = list(stop_tokens)
+    stops[: len(stop_tokens)] = list(stop_tokens)
     sampling = sampling or Sampling.make()
-    out, cache, logits = _decode_loop(params, cfg, logits, cache, jnp.int32(max_new_tokens), jnp.asarray(stops),
-                                      sampling, buffer=bucket(max_new_tokens))
+    out, cache, logits = _decode_loop(
+        params,
+        cfg,
+        logits,
+        cache,
+        jnp.int32(max_new_tokens),
+        jnp.asarray(stops),
+        sampling,
+        buffer=bucket(max_new_tokens),
+    )
     tokens = [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in to_host(out)]
     return (tokens, cache, logits) if return_logits else (tokens, cache)
 
 
-def ask(params, cfg: ModelConfig, cache: kv.KVCache, question_tokens, max_new_tokens: int, *,
-        stop_tokens: Sequence[int] = (), sampling: Sampling | None = None):
+def ask(
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    question_tokens,
+    max_new_tokens: int,
+    *,
+    stop_tokens: Sequence[int] = (),
+    sampling: Sampling | None = None,
+):
     """Appends question_tokens [T] (question + answer header) to a one-row context cache, generates an answer,
     then drops question and answer again. Returns (answer tokens, cache as it was), so one prefilled context
     serves any number of questions. The given cache is donated."""

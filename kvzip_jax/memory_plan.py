@@ -40,8 +40,17 @@ def _shard(mesh, axes, shape) -> int:
     return math.prod(-(-dim // (axis_size(mesh, name) if name else 1)) for dim, name in zip(shape, spec))
 
 
-def plan(cfg: ModelConfig, dtype, context_tokens: int, batch: int = 1, mesh=None, chunk: int = 2048,
-         capacity: int | None = None, scoring: bool = True, with_params: bool = True) -> MemoryPlan:
+def plan(
+    cfg: ModelConfig,
+    dtype,
+    context_tokens: int,
+    batch: int = 1,
+    mesh=None,
+    chunk: int = 2048,
+    capacity: int | None = None,
+    scoring: bool = True,
+    with_params: bool = True,
+) -> MemoryPlan:
     """The per-device bytes of prefilling `context_tokens` for `batch` rows (cache of `capacity` slots, default
     the context rounded up to 64, plus DEFAULT_ROOM for questions and answers) and, with scoring, of KVzip's scores
     and reread chunks. with_params=False: params counted as 0 (already loaded, so no longer available)."""
@@ -72,6 +81,7 @@ def _flat_shapes(cfg: ModelConfig):
         for key, value in tree.items():
             name = f"{prefix}/{key}" if prefix else key
             yield from walk(value, name) if isinstance(value, dict) else [(name, value)]
+
     return list(walk(param_shapes(cfg), ""))
 
 

@@ -133,8 +133,12 @@ def named_instruction(value: str | None) -> str | None:
 
 
 def build_prompt(
-    tokenizer: PreTrainedTokenizerBase, context: str, question: str | None = None, system: str | None = None,
-    instruction: str | None = None, completion: bool = False,
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str | None = None,
+    system: str | None = None,
+    instruction: str | None = None,
+    completion: bool = False,
 ) -> Prompt:
     """Lays out [prefix | context | question | answer header]; the user message is [instruction + "\\n\\n"] +
     context + "\\n\\n" + question.
@@ -167,8 +171,9 @@ def build_prompt(
     return Prompt(tuple(tokens.tolist()), context_start, context_end, question_end)
 
 
-def question_suffix(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None,
-                    completion: bool = False) -> np.ndarray:
+def question_suffix(
+    tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None, completion: bool = False
+) -> np.ndarray:
     """[question | end of user turn | answer header] ids, int32 [T], to append after a [prefix | context] cache.
 
     Equal to the tokens after the context in build_prompt(tokenizer, context, question, system, completion=...).
@@ -180,8 +185,9 @@ def question_suffix(tokenizer: PreTrainedTokenizerBase, question: str, system: s
     return _checked_concatenation(tokenizer, segments, question_text + answer_header)
 
 
-def follow_up(tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None,
-              completion: bool = False) -> np.ndarray:
+def follow_up(
+    tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None, completion: bool = False
+) -> np.ndarray:
     """[end of the assistant turn | next user turn: question | answer header] ids, int32 [T], to append after an
     answer (its stop token emitted, not fed) so that a conversation goes on: the chat template rendered around
     markers for an earlier answer and the next message, as chat_layout does for one turn. With completion=True, one
@@ -194,21 +200,30 @@ def follow_up(tokenizer: PreTrainedTokenizerBase, question: str, system: str | N
     else:
         answer_marker, next_marker = _USER_MESSAGE_MARKER + "answer", _USER_MESSAGE_MARKER + "next"
         system_turn = [] if system is None else [{"role": "system", "content": system}]
-        messages = system_turn + [{"role": "user", "content": "context"},
-                                  {"role": "assistant", "content": answer_marker},
-                                  {"role": "user", "content": next_marker}]
+        messages = system_turn + [
+            {"role": "user", "content": "context"},
+            {"role": "assistant", "content": answer_marker},
+            {"role": "user", "content": next_marker},
+        ]
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         if rendered.count(answer_marker) != 1 or rendered.count(next_marker) != 1:
             raise KvzipError("the chat template does not place each turn exactly once; cannot find the layout")
         between, header = rendered.split(answer_marker)[1].split(next_marker)
-    segments = (_encode(tokenizer, between, parse_special_tokens=True), encode_text(tokenizer, question),
-                _encode(tokenizer, header, parse_special_tokens=True))
+    segments = (
+        _encode(tokenizer, between, parse_special_tokens=True),
+        encode_text(tokenizer, question),
+        _encode(tokenizer, header, parse_special_tokens=True),
+    )
     return _checked_concatenation(tokenizer, segments, between + question + header)
 
 
 def split_for_reuse(
-    tokenizer: PreTrainedTokenizerBase, context: str, questions: Sequence[str], system: str | None = None,
-    instruction: str | None = None, completion: bool = False,
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    questions: Sequence[str],
+    system: str | None = None,
+    instruction: str | None = None,
+    completion: bool = False,
 ) -> tuple[Prompt, list[np.ndarray]]:
     """The [prefix | context] part to prefill once (a Prompt whose question and answer header are empty) and,
     per question, the suffix ids to append to that cache. system, instruction and completion as in build_prompt."""

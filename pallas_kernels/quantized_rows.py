@@ -47,11 +47,14 @@ def bits_of(rows: QuantizedRows, head_dim: int) -> int:
     """8 or 4, from the codes' width; KernelInputError if it is neither or the groups do not split the row."""
     width, groups = rows.codes.shape[-1], rows.scale.shape[-1]
     if width not in (head_dim, head_dim // 2) or head_dim % 2:
-        raise KernelInputError(f"codes of width {width} are neither int8 ({head_dim}) nor packed int4 "
-                               f"({head_dim // 2}) rows of head dim {head_dim}")
+        raise KernelInputError(
+            f"codes of width {width} are neither int8 ({head_dim}) nor packed int4 "
+            f"({head_dim // 2}) rows of head dim {head_dim}"
+        )
     if rows.zero.shape != rows.scale.shape or rows.scale.shape[:-1] != rows.codes.shape[:-1]:
-        raise KernelInputError(f"scale {rows.scale.shape} and zero {rows.zero.shape} must be [..., S, N] beside "
-                               f"codes {rows.codes.shape}")
+        raise KernelInputError(
+            f"scale {rows.scale.shape} and zero {rows.zero.shape} must be [..., S, N] beside codes {rows.codes.shape}"
+        )
     if groups < 1 or head_dim % groups or (head_dim // groups) % 2:
         raise KernelInputError(f"{groups} groups do not split a row of {head_dim} into even groups")
     return 8 if width == head_dim else 4

@@ -157,8 +157,8 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
     """
     per_store = 3 if parts else 1
     q_ref = refs[0]
-    k_refs, v_refs = refs[1:1 + per_store], refs[1 + per_store:1 + 2 * per_store]
-    off_ref, len_ref = refs[1 + 2 * per_store:3 + 2 * per_store]
+    k_refs, v_refs = refs[1 : 1 + per_store], refs[1 + per_store : 1 + 2 * per_store]
+    off_ref, len_ref = refs[1 + 2 * per_store : 3 + 2 * per_store]
     bias_ref = refs[3 + 2 * per_store] if has_bias else None
     o_ref, l_ref, m_ref = refs[-3:]
     store_slots = k_refs[0].shape[0]
@@ -189,8 +189,10 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
         key_in = (key >= first) & (key < hi)  # [block_k]
         visible = key_in[None, :] & (key[None, :] < row_limit[:, None])  # [Mp, block_k]
 
-        logits = scale * sum(kernel_dot(q_part, load(k_refs, start, part, q_part.dtype), transpose_b=True)
-                             for q_part, part in zip(q_parts, parts))  # [Mp, block_k]
+        logits = scale * sum(
+            kernel_dot(q_part, load(k_refs, start, part, q_part.dtype), transpose_b=True)
+            for q_part, part in zip(q_parts, parts)
+        )  # [Mp, block_k]
         if bias_ref is not None:
             logits = logits + bias_ref[pl.ds(start, block_k)][None, :]
         logits = jnp.where(visible, logits, MASK_VALUE)
@@ -198,8 +200,10 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
         correction = jnp.exp(m_prev - m_next)  # [Mp]
         p = jnp.where(visible, jnp.exp(logits - m_next[:, None]), 0.0)  # [Mp, block_k]
         # Slots outside the segment may hold NaN, and 0 * NaN = NaN: zero them before p @ v.
-        v_blks = [jnp.where(key_in[:, None], load(v_refs, start, part, jnp.float32), 0.0)  # [block_k, width]
-                  for part in parts]
+        v_blks = [
+            jnp.where(key_in[:, None], load(v_refs, start, part, jnp.float32), 0.0)  # [block_k, width]
+            for part in parts
+        ]
         l_next = correction * l_prev + p.sum(axis=1)
         acc_next = tuple(correction[:, None] * acc + kernel_dot(p, v_blk) for acc, v_blk in zip(acc_prev, v_blks))
         return m_next, l_next, acc_next
@@ -222,8 +226,7 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_tokens", "block_k", "num_splits", "interpret", "parts"))
-def _ragged_decode_pallas(q, k, v, offsets, lengths, bias, *, scale, num_tokens, block_k, num_splits, interpret,
-                          parts):
+def _ragged_decode_pallas(q, k, v, offsets, lengths, bias, *, scale, num_tokens, block_k, num_splits, interpret, parts):
     """The pallas_call and the merge of its splits; arguments as ragged_decode's, already checked, with k and v
     tuples of store arrays [B, S, .] (one, or the quantized triple with its static parts)."""
     batch, kv_heads, rows, head_dim = q.shape
@@ -251,8 +254,13 @@ def _ragged_decode_pallas(q, k, v, offsets, lengths, bias, *, scale, num_tokens,
         args.append(bias.astype(jnp.float32))
     split_rows = pl.BlockSpec((None, None, None, padded_rows), lambda b, h, s: (s, b, h, 0))
     kernel = functools.partial(
-        _ragged_decode_kernel, scale=scale, num_tokens=num_tokens, block_k=block_k, num_splits=num_splits,
-        parts=parts, has_bias=bias is not None,
+        _ragged_decode_kernel,
+        scale=scale,
+        num_tokens=num_tokens,
+        block_k=block_k,
+        num_splits=num_splits,
+        parts=parts,
+        has_bias=bias is not None,
     )
     o, l, m = pl.pallas_call(
         kernel,
@@ -305,9 +313,7 @@ def ragged_decode_reference(
     local = jnp.arange(k.shape[1])[None, None, :] - offsets[..., None]  # [B, K, S] local key index of each slot
     in_segment = (local >= 0) & (local < lengths[..., None])  # [B, K, S]
     lag = num_tokens - 1 - jnp.arange(rows) % num_tokens  # [M] keys a row's token may not see at the segment end
-    visible = in_segment[:, :, None, :] & (
-        local[:, :, None, :] < (lengths[..., None] - lag)[..., None]
-    )  # [B, K, M, S]
+    visible = in_segment[:, :, None, :] & (local[:, :, None, :] < (lengths[..., None] - lag)[..., None])  # [B, K, M, S]
     used = in_segment.any(axis=1)[..., None]  # [B, S, 1] slots some head owns; the others may hold NaN
     k32 = jnp.where(used, k.astype(jnp.float32), 0.0)  # [B, S, H]
     v32 = jnp.where(used, v.astype(jnp.float32), 0.0)  # [B, S, H]

@@ -38,9 +38,13 @@ _AFTER_TRIM = [0]  # resident bytes after the last hand-back
 
 
 def pytest_addoption(parser):
-    parser.addoption("--peak-rss-limit-gb", type=float, default=0.0,
-                     help="fail the run if a test process's peak resident memory exceeds this many GB (0: only print "
-                          "the peaks); make test: 6, so two workers and the tests' subprocesses fit in 24 GB")
+    parser.addoption(
+        "--peak-rss-limit-gb",
+        type=float,
+        default=0.0,
+        help="fail the run if a test process's peak resident memory exceeds this many GB (0: only print "
+        "the peaks); make test: 6, so two workers and the tests' subprocesses fit in 24 GB",
+    )
 
 
 def _limit(config) -> float:
@@ -51,13 +55,20 @@ def _limit(config) -> float:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads a 0.3-0.5B model through transformers (about a minute)")
-    config.addinivalue_line("markers", "quality48: the 48-question quality bar (minutes; `make test-quality`, not in "
-                            "`make test`)")
-    config.addinivalue_line("markers", "extended: a slow check whose behaviour the default run covers through another "
-                            "test (`make test-all`, not in `make test`)")
-    config.addinivalue_line("markers", "real_model: loads a bundled model's weights or reads its weight files (set "
-                            "by conftest on every test using a REAL_MODEL_FIXTURES fixture; `make test-fast` leaves "
-                            "these out)")
+    config.addinivalue_line(
+        "markers", "quality48: the 48-question quality bar (minutes; `make test-quality`, not in `make test`)"
+    )
+    config.addinivalue_line(
+        "markers",
+        "extended: a slow check whose behaviour the default run covers through another "
+        "test (`make test-all`, not in `make test`)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "real_model: loads a bundled model's weights or reads its weight files (set "
+        "by conftest on every test using a REAL_MODEL_FIXTURES fixture; `make test-fast` leaves "
+        "these out)",
+    )
     if not hasattr(config, "workerinput") and _may_select_real_model_tests(config.option.markexpr):
         _convert_bundled_models()  # the controller, or a run without workers: before any test process starts
 
@@ -76,9 +87,11 @@ def _may_select_real_model_tests(markexpr: str) -> bool:
         return True
     try:
         from _pytest.mark.expression import Expression
+
         expression = Expression.compile(markexpr)
-        names = sorted(set(re.findall(r"[A-Za-z_][\w.]*", markexpr)) - {"and", "or", "not", "True", "False", "None",
-                                                                       "real_model"})
+        names = sorted(
+            set(re.findall(r"[A-Za-z_][\w.]*", markexpr)) - {"and", "or", "not", "True", "False", "None", "real_model"}
+        )
         if len(names) > 12:
             return True
         for values in itertools.product((False, True), repeat=len(names)):
@@ -93,9 +106,18 @@ def _may_select_real_model_tests(markexpr: str) -> bool:
 # The files whose tests take a minute or more on 2 cores, slowest first: started first, so that the workers end on short
 # files and finish together, and each of the heaviest starts in a fresh process (pytest-xdist --dist loadfile hands out
 # files in collection order only with --no-loadscope-reorder, as the Makefile runs it; its default is most tests first).
-SLOWEST_FILES = ("test_parity_real.py", "test_kvzip_quality.py", "test_eval_sweep.py", "test_bfloat16.py",
-                 "test_cache_io.py", "test_model.py", "test_compact.py", "test_cli.py", "test_eval_distributed.py",
-                 "test_weights.py")
+SLOWEST_FILES = (
+    "test_parity_real.py",
+    "test_kvzip_quality.py",
+    "test_eval_sweep.py",
+    "test_bfloat16.py",
+    "test_cache_io.py",
+    "test_model.py",
+    "test_compact.py",
+    "test_cli.py",
+    "test_eval_distributed.py",
+    "test_weights.py",
+)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m deselection reads the marks
@@ -117,8 +139,16 @@ def _convert_bundled_models() -> None:
         if name in registry.ON_DEMAND or is_checkpoint(directory) or not registry.installed(name):
             continue
         print(f"converting the bundled model {name} into {directory} (once)", flush=True)
-        subprocess.run([sys.executable, "-c", "import sys; from kvzip_jax.weights import registry; "
-                        "registry.converted(sys.argv[1], sys.argv[2])", name, str(_checkpoints_dir())], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from kvzip_jax.weights import registry; registry.converted(sys.argv[1], sys.argv[2])",
+                name,
+                str(_checkpoints_dir()),
+            ],
+            check=True,
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -199,10 +229,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Each test process's peak resident memory and the test during which it was reached, after pytest's durations."""
     for name, (peak, test) in sorted(config.stash.get(_PEAKS, {}).items()):
         limit = _limit(config)
-        verdict = "" if limit == float("inf") else \
-            f", {'OVER the limit of' if peak > limit else 'within'} {limit / 1e9:g} GB"
-        terminalreporter.write_line(f"peak resident memory of test process {name}: {peak / 1e9:.2f} GB{verdict} "
-                                    f"(reached in {test or 'collection'})")
+        verdict = (
+            "" if limit == float("inf") else f", {'OVER the limit of' if peak > limit else 'within'} {limit / 1e9:g} GB"
+        )
+        terminalreporter.write_line(
+            f"peak resident memory of test process {name}: {peak / 1e9:.2f} GB{verdict} "
+            f"(reached in {test or 'collection'})"
+        )
 
 
 _PEAKS = pytest.StashKey[dict]()
@@ -289,6 +322,7 @@ def one_parse_per_gguf():
             if key not in readers:
                 readers[key] = read(path)
             return readers[key]
+
         return shared
 
     with pytest.MonkeyPatch.context() as patch:

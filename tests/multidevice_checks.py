@@ -26,9 +26,20 @@ from kvzip_jax.models.params import init_params, param_shapes
 from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding import segments
 
-CFG = ModelConfig(architecture="qwen2", vocab_size=128, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=4,
-                  head_dim=16, intermediate_size=96, rms_norm_eps=1e-6, max_position=512,
-                  rope=RopeSpec(theta=1000.0), qkv_bias=True)
+CFG = ModelConfig(
+    architecture="qwen2",
+    vocab_size=128,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    intermediate_size=96,
+    rms_norm_eps=1e-6,
+    max_position=512,
+    rope=RopeSpec(theta=1000.0),
+    qkv_bias=True,
+)
 B, PREFIX, CONTEXT, CAPACITY, CHUNK, STEPS, RATIO = 8, 4, 45, 128, 32, 16, 0.3
 ATOL = 1e-5
 
@@ -50,14 +61,19 @@ def reread(contexts) -> RereadInputs:
     num_valid, chunk_len = np.zeros((chunks, B), np.int32), np.zeros((chunks, B), np.int32)
     for t in range(chunks):
         for b, c in enumerate(contexts):
-            piece = c[t * CHUNK:(t + 1) * CHUNK]
-            tokens[t, b, :6 + len(piece)] = np.concatenate([prompt, piece])
+            piece = c[t * CHUNK : (t + 1) * CHUNK]
+            tokens[t, b, : 6 + len(piece)] = np.concatenate([prompt, piece])
             num_valid[t, b], chunk_len[t, b] = 6 + len(piece), len(piece)
     starts = PREFIX + CHUNK * np.arange(chunks)[:, None] + np.zeros((1, B), int)
-    return RereadInputs(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid),
-                        chunk_start=jnp.asarray(starts, jnp.int32), chunk_len=jnp.asarray(chunk_len),
-                        prefix_len=jnp.full((B,), PREFIX, jnp.int32),
-                        context_len=jnp.asarray([len(c) for c in contexts], jnp.int32), chunk_size=CHUNK)
+    return RereadInputs(
+        tokens=jnp.asarray(tokens),
+        num_valid=jnp.asarray(num_valid),
+        chunk_start=jnp.asarray(starts, jnp.int32),
+        chunk_len=jnp.asarray(chunk_len),
+        prefix_len=jnp.full((B,), PREFIX, jnp.int32),
+        context_len=jnp.asarray([len(c) for c in contexts], jnp.int32),
+        chunk_size=CHUNK,
+    )
 
 
 def run(params, mesh=None):
@@ -74,8 +90,18 @@ def run(params, mesh=None):
         first = jnp.argmax(logits, -1).astype(jnp.int32)
         decoded, tokens, fed = greedy(params, first, masked)
         decoded_packed, _, fed_packed = greedy(params, first, packed)
-    return dict(prefill=logits, scores=scores, keep=keep, decode=decoded, tokens=tokens, decode_packed=decoded_packed,
-                cache=cache, masked=fed, packed=fed_packed, params=params)
+    return dict(
+        prefill=logits,
+        scores=scores,
+        keep=keep,
+        decode=decoded,
+        tokens=tokens,
+        decode_packed=decoded_packed,
+        cache=cache,
+        masked=fed,
+        packed=fed_packed,
+        params=params,
+    )
 
 
 def greedy(params, token, cache):
@@ -138,8 +164,9 @@ def check_mesh(shape, reference, params):
     # A decode step moves no K or V between devices (over seq: attention per shard, merged through the LSE).
     with jax.set_mesh(mesh):
         for name in ("masked", "packed"):
-            step = gen.forward_step.lower(got["params"], got["tokens"][-1][:, None], jnp.ones((B,), jnp.int32),
-                                          got[name], CFG)
+            step = gen.forward_step.lower(
+                got["params"], got["tokens"][-1][:, None], jnp.ones((B,), jnp.int32), got[name], CFG
+            )
             gathers = re.findall(r"= (\S+) (?:all-gather|all-to-all)\(", step.compile().as_text())
             assert not gathers, f"a decode step over the {name} cache gathers {gathers}"
     if shape[1] > 1:  # a cache split over seq: no prefill chunk or reread gathers it either
@@ -158,8 +185,7 @@ def check_no_gather_over_seq(mesh, params):
         reread_text = jax.jit(kvzip.score).lower(params, CFG, large, reread(inputs()[1])).compile().as_text()
         gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", reread_text)
         assert not gathers, f"the KVzip reread gathers {gathers}"
-        chunk = gen.forward_step.lower(params, jnp.zeros((B, CHUNK), jnp.int32), jnp.full((B,), CHUNK), large,
-                                       CFG)
+        chunk = gen.forward_step.lower(params, jnp.zeros((B, CHUNK), jnp.int32), jnp.full((B,), CHUNK), large, CFG)
         gathers = re.findall(r"= (f32\S+) (?:all-gather|all-to-all)\(", chunk.compile().as_text())
         assert not gathers, f"a prefill chunk gathers {gathers}"
 
@@ -179,14 +205,16 @@ def check_merge(mesh):
     in_subset = subset(jnp.broadcast_to(jnp.arange(C), (B, K, C)))
     layer = kv.LayerCache(k=k, v=v, lengths=filled, keep=keep, bias=bias)
     for window in (None, 40):
-        want = blocked_attention(q, k, v, filled, None, None, query_slots, window, 0.25, keep, subset=subset,
-                                 key_bias=bias)
+        want = blocked_attention(
+            q, k, v, filled, None, None, query_slots, window, 0.25, keep, subset=subset, key_bias=bias
+        )
         with jax.set_mesh(mesh):
             placed = jax.device_put(layer, sharding.cache_shardings(kv.KVCache((layer,), filled[:, 0]), mesh).layers[0])
             split = seq_split(layer)
             assert split is not None
-            got = jax.jit(merged_attention, static_argnums=(3, 4, 5))(q, placed, query_slots, window, 0.25, split,
-                                                                      in_subset)
+            got = jax.jit(merged_attention, static_argnums=(3, 4, 5))(
+                q, placed, query_slots, window, 0.25, split, in_subset
+            )
         for part, expected, name in zip(got, want, ("out", "lse", "subset_lse")):
             assert not np.isnan(np.asarray(part)).any(), name
             close(part, expected, f"attention merged over seq shards: {name}, window {window}")
@@ -217,8 +245,11 @@ def check_ties(mesh):
     rng = np.random.default_rng(1)
     L, n = 3, 64
     context_len = jnp.asarray(n - rng.integers(0, 20, B), jnp.int32)
-    cases = {"random": rng.random((L, B, 4, n)), "ties": rng.integers(0, 3, (L, B, 4, n)) / 2,
-             "equal": np.ones((L, B, 4, n))}
+    cases = {
+        "random": rng.random((L, B, 4, n)),
+        "ties": rng.integers(0, 3, (L, B, 4, n)) / 2,
+        "equal": np.ones((L, B, 4, n)),
+    }
     for name, s in cases.items():
         s = jnp.asarray(s, jnp.float32)
         for level in ("pair", "pair-uniform", "layer"):

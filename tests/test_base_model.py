@@ -46,11 +46,22 @@ def _prefix_tokens(out: str) -> int:
     return int(re.search(r"\((\d+) prefix \+ ", out).group(1))
 
 
-def test_compress_on_a_base_model_says_so_and_prefills_no_chat_turn(capsys, monkeypatch, tiny, tmp_path):  # noqa: F811
+def test_compress_on_a_base_model_says_so_and_prefills_no_chat_turn(capsys, monkeypatch, tiny, tmp_path):
     context_file = tmp_path / "context.txt"
     context_file.write_text(CONTEXT)
-    argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.5", "--question", QUESTION,
-            "--max-new-tokens", "2"]
+    argv = [
+        "compress",
+        "--model",
+        "tiny",
+        "--context",
+        str(context_file),
+        "--ratio",
+        "0.5",
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        "2",
+    ]
     assert cli.main(argv) == 0
     chat_turn = capsys.readouterr().out
     assert NOTE not in chat_turn
@@ -63,7 +74,7 @@ def test_compress_on_a_base_model_says_so_and_prefills_no_chat_turn(capsys, monk
     assert f"Q: {QUESTION}\nA: " in out
 
 
-def test_chat_on_a_base_model_says_so(monkeypatch, capsys, tiny, tmp_path):  # noqa: F811
+def test_chat_on_a_base_model_says_so(monkeypatch, capsys, tiny, tmp_path):
     context_file = tmp_path / "context.txt"
     context_file.write_text(CONTEXT)
     monkeypatch.setattr(registry, "BASE_MODELS", frozenset({tiny.name}))

@@ -23,9 +23,20 @@ from tests.test_kvzip_score import numpy_queries_and_keys
 
 
 def tiny_config(num_kv_heads: int, qkv_bias: bool = False, max_position: int = 1024) -> ModelConfig:
-    return ModelConfig(architecture="qwen2" if qkv_bias else "llama", vocab_size=101, hidden_size=48, num_layers=2,
-                       num_heads=6, num_kv_heads=num_kv_heads, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
-                       max_position=max_position, rope=RopeSpec(theta=1000.0), qkv_bias=qkv_bias)
+    return ModelConfig(
+        architecture="qwen2" if qkv_bias else "llama",
+        vocab_size=101,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=num_kv_heads,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        max_position=max_position,
+        rope=RopeSpec(theta=1000.0),
+        qkv_bias=qkv_bias,
+    )
 
 
 def oracle_probs(params, cfg, sequence):
@@ -56,7 +67,7 @@ def oracle_h2o(params, cfg, prefix, context, question):
     first = n + q - window_of(n, q)  # first context column inside the window
     out = []
     for probs in oracle_probs(params, cfg, np.concatenate([prefix, context, question])):
-        scores = group_max(probs[:, P:, P:P + n].sum(axis=1), cfg)  # [K, n]
+        scores = group_max(probs[:, P:, P : P + n].sum(axis=1), cfg)  # [K, n]
         out.append(np.where(np.arange(n) >= first, np.inf, scores))
     return np.stack(out)
 
@@ -72,9 +83,9 @@ def oracle_snapkv(params, cfg, prefix, context, question, kernel=7):
     before = columns < min(first, n)
     out = []
     for probs in oracle_probs(params, cfg, np.concatenate([prefix, context, question])):
-        sums = probs[:, max(T - w, P):, P:P + n].sum(axis=1)  # [N, n]
+        sums = probs[:, max(T - w, P) :, P : P + n].sum(axis=1)  # [N, n]
         x = np.pad(np.where(before, sums, -np.inf), ((0, 0), (kernel // 2, kernel // 2)), constant_values=-np.inf)
-        pooled = np.stack([x[:, j:j + kernel].max(axis=1) for j in range(n)], axis=1)  # [N, n]
+        pooled = np.stack([x[:, j : j + kernel].max(axis=1) for j in range(n)], axis=1)  # [N, n]
         scores = np.where(before, group_max(pooled, cfg), -np.inf)
         out.append(np.where(columns >= first, np.inf, scores))
     return np.stack(out)
@@ -85,15 +96,23 @@ def make_batch(cfg, prefix_lens, context_lens, question_lens, capacity, seed=0):
     params = init_params(cfg, seed=1, scale=0.15)
     rng = np.random.default_rng(seed)
     draw = lambda size: rng.integers(0, cfg.vocab_size, size).astype(np.int32)
-    prefixes, contexts, questions = map(lambda lens: [draw(m) for m in lens],
-                                        (prefix_lens, context_lens, question_lens))
+    prefixes, contexts, questions = map(
+        lambda lens: [draw(m) for m in lens], (prefix_lens, context_lens, question_lens)
+    )
     _, cache = gen.prefill(params, cfg, [np.concatenate(pc) for pc in zip(prefixes, contexts)], capacity=capacity)
     pad = lambda rows: np.stack([np.concatenate([r, draw(max(map(len, rows)) - len(r))]) for r in rows])
     lengths = lambda lens: jnp.asarray(lens, jnp.int32)
-    return dict(params=params, cache=cache, prefixes=prefixes, contexts=contexts, questions=questions,
-                prefix_len=lengths(prefix_lens), context_len=lengths(context_lens),
-                context_tokens=jnp.asarray(pad(contexts)), question=(jnp.asarray(pad(questions)),
-                                                                     lengths(question_lens)))
+    return dict(
+        params=params,
+        cache=cache,
+        prefixes=prefixes,
+        contexts=contexts,
+        questions=questions,
+        prefix_len=lengths(prefix_lens),
+        context_len=lengths(context_lens),
+        context_tokens=jnp.asarray(pad(contexts)),
+        question=(jnp.asarray(pad(questions)), lengths(question_lens)),
+    )
 
 
 def check_against_oracle(ours, oracle, batch, with_question, atol=1e-5):
@@ -112,8 +131,15 @@ def test_h2o_and_snapkv_equal_the_numpy_oracle(num_kv_heads, qkv_bias, with_ques
     # Capacity 64 < 7 + 40 + 20: the question's last keys have no cache slot (dropped).
     cfg = tiny_config(num_kv_heads, qkv_bias)
     batch = make_batch(cfg, [4, 7], [23, 40], [5, 20], capacity=64)
-    args = (batch["params"], cfg, batch["cache"], batch["prefix_len"], batch["context_len"], batch["context_tokens"],
-            batch["question"] if with_question else None)
+    args = (
+        batch["params"],
+        cfg,
+        batch["cache"],
+        batch["prefix_len"],
+        batch["context_len"],
+        batch["context_tokens"],
+        batch["question"] if with_question else None,
+    )
     h2o = jax.jit(h2o_scores, static_argnames="chunk")(*args, chunk=16)  # three chunks; row 0's last one empty
     oracle = lambda p, c, q: oracle_h2o(batch["params"], cfg, p, c, q)
     check_against_oracle(h2o, oracle, batch, with_question)
@@ -129,8 +155,15 @@ def test_windows_of_32_above_1024_context_tokens():
     the wider tolerance (a window of 16 instead of 32 would be off by far more)."""
     cfg = tiny_config(2, max_position=2048)
     batch = make_batch(cfg, [3, 5], [1100, 900], [6, 40], capacity=1152)
-    args = (batch["params"], cfg, batch["cache"], batch["prefix_len"], batch["context_len"], batch["context_tokens"],
-            batch["question"])
+    args = (
+        batch["params"],
+        cfg,
+        batch["cache"],
+        batch["prefix_len"],
+        batch["context_len"],
+        batch["context_tokens"],
+        batch["question"],
+    )
     oracle = lambda p, c, q: oracle_snapkv(batch["params"], cfg, p, c, q)
     check_against_oracle(jax.jit(snapkv_scores)(*args), oracle, batch, True, atol=1e-4)
     oracle = lambda p, c, q: oracle_h2o(batch["params"], cfg, p, c, q)
@@ -172,10 +205,13 @@ def oracle_pyramid(percent, L, K, n, w=None, beta=20.0):
 
 
 @settings(max_examples=60, deadline=None)
-@given(percent=st.integers(1, 100), num_layers=st.integers(1, 32), num_kv_heads=st.integers(1, 8),
-       lengths=st.lists(st.integers(1, 3000), min_size=2, max_size=2))
-def test_pyramid_budgets_follow_the_published_schedule_with_an_exact_total(percent, num_layers, num_kv_heads,
-                                                                           lengths):
+@given(
+    percent=st.integers(1, 100),
+    num_layers=st.integers(1, 32),
+    num_kv_heads=st.integers(1, 8),
+    lengths=st.lists(st.integers(1, 3000), min_size=2, max_size=2),
+)
+def test_pyramid_budgets_follow_the_published_schedule_with_an_exact_total(percent, num_layers, num_kv_heads, lengths):
     L, K = num_layers, num_kv_heads
     counts = np.asarray(pyramid_budgets(percent / 100, jnp.asarray(lengths), L, K))
     assert counts.shape == (L, 2) and counts.dtype == np.int32
@@ -234,28 +270,35 @@ def oracle_keep_by_layer(scores, context_len, counts, share=0.2):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["random", "tied", "constant"]),
-       windows=st.lists(st.integers(0, 6), min_size=2, max_size=2), shape=st.tuples(
-           st.integers(1, 3), st.integers(1, 4), st.integers(1, 12)))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["random", "tied", "constant"]),
+    windows=st.lists(st.integers(0, 6), min_size=2, max_size=2),
+    shape=st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 12)),
+)
 def test_keep_by_layer_equals_the_allocation_rule(seed, kind, windows, shape):
     """Windows (+inf) always kept, a per-head floor, then the layer's best: against a pair-by-pair oracle, with any
     counts (0, small, more than the layer holds), ties and windows larger than the budget."""
     L, K, n = shape
     rng = np.random.default_rng(seed)
-    scores = {"random": rng.random((L, 2, K, n)), "tied": rng.integers(0, 3, (L, 2, K, n)).astype(float),
-              "constant": np.full((L, 2, K, n), 0.5)}[kind].astype(np.float32)
+    scores = {
+        "random": rng.random((L, 2, K, n)),
+        "tied": rng.integers(0, 3, (L, 2, K, n)).astype(float),
+        "constant": np.full((L, 2, K, n), 0.5),
+    }[kind].astype(np.float32)
     context_len = np.array([n, rng.integers(1, n + 1)], np.int32)
     for b, w in enumerate(windows):
-        scores[:, b, :, max(context_len[b] - w, 0):context_len[b]] = np.inf
+        scores[:, b, :, max(context_len[b] - w, 0) : context_len[b]] = np.inf
     counts = rng.integers(0, K * n + 3, (L, 2)).astype(np.int32)
-    keep = np.asarray(jax.jit(baselines.keep_by_layer)(jnp.asarray(scores), jnp.asarray(context_len),
-                                                       jnp.asarray(counts)))
+    keep = np.asarray(
+        jax.jit(baselines.keep_by_layer)(jnp.asarray(scores), jnp.asarray(context_len), jnp.asarray(counts))
+    )
     np.testing.assert_array_equal(keep, oracle_keep_by_layer(scores, context_len, counts))
     for layer in range(L):
         for b, c in enumerate(context_len):
             forced = K * min(windows[b], c)
             assert keep[layer, b].sum() == max(min(counts[layer, b], K * c), forced)  # exact unless the window
-            assert not keep[layer, b, :, c:].any()                                      # alone exceeds it
+            assert not keep[layer, b, :, c:].any()  # alone exceeds it
 
 
 def test_a_late_pyramid_layer_starves_no_head():
@@ -264,7 +307,7 @@ def test_a_late_pyramid_layer_starves_no_head():
     L, K, n = 8, 4, 600
     scores = np.random.default_rng(0).random((L, 1, K, n)).astype(np.float32)
     scores[:, :, 0] += 10.0  # head 0 outscores every other head
-    scores[..., n - 16:] = np.inf  # SnapKV's window of 16 (a context under 1,024 tokens)
+    scores[..., n - 16 :] = np.inf  # SnapKV's window of 16 (a context under 1,024 tokens)
     context_len = jnp.array([n])
     keep = np.asarray(baselines.keep_for("pyramidkv", jnp.asarray(scores), context_len, 0.2))
     counts = np.asarray(pyramid_budgets(0.2, context_len, L, K))[:, 0]
@@ -272,8 +315,8 @@ def test_a_late_pyramid_layer_starves_no_head():
     last = keep[-1, 0]  # [K, n]
     rest = counts[-1] - K * 16
     for head in range(K):
-        assert last[head, n - 16:].all()  # the window, in every layer
-        assert last[head, :n - 16].sum() >= rest // 5 // K  # the per-head floor
+        assert last[head, n - 16 :].all()  # the window, in every layer
+        assert last[head, : n - 16].sum() >= rest // 5 // K  # the per-head floor
 
 
 def expected_total(method, c, percent, evicted_layers=L):
@@ -290,7 +333,8 @@ def test_keep_for_budgets_and_jit(method):
     context_len = jnp.asarray(CONTEXT)
     eager = np.asarray(baselines.keep_for(method, scores, context_len, 0.3))
     jitted = jax.jit(baselines.keep_for, static_argnames=("method", "evictable"))(
-        scores=scores, context_len=context_len, ratio=jnp.float32(0.3), method=method)
+        scores=scores, context_len=context_len, ratio=jnp.float32(0.3), method=method
+    )
     np.testing.assert_array_equal(eager, np.asarray(jitted))
     for b, c in enumerate(CONTEXT):
         assert not eager[:, b, :, c:].any()
@@ -326,8 +370,9 @@ def test_random_scores_are_deterministic_per_key():
     cfg = tiny_config(2)
     context_len = jnp.asarray(CONTEXT)
     tokens = jnp.zeros((B, N), jnp.int32)
-    score = lambda key: np.asarray(baselines.baseline_scores("random", None, cfg, None, None, context_len, tokens,
-                                                             key=key))
+    score = lambda key: np.asarray(
+        baselines.baseline_scores("random", None, cfg, None, None, context_len, tokens, key=key)
+    )
     first, again, other = score(jax.random.key(0)), score(jax.random.key(0)), score(jax.random.key(1))
     np.testing.assert_array_equal(first, again)
     assert first.shape == (cfg.num_layers, B, cfg.num_kv_heads, N)
@@ -341,8 +386,11 @@ def test_random_scores_are_deterministic_per_key():
     per_row, other_rows = score(rows), score(swapped)
     np.testing.assert_array_equal(per_row[:, 0, :, :9], other_rows[:, 1, :, :9])
     assert not np.array_equal(per_row[:, 0], per_row[:, 1])
-    wider = np.asarray(baselines.baseline_scores("random", None, cfg, None, None, context_len,
-                                                 jnp.zeros((B, N + 5), jnp.int32), key=rows))
+    wider = np.asarray(
+        baselines.baseline_scores(
+            "random", None, cfg, None, None, context_len, jnp.zeros((B, N + 5), jnp.int32), key=rows
+        )
+    )
     np.testing.assert_array_equal(wider[..., :N], per_row)  # independent of the padded width
 
 

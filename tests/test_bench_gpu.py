@@ -38,8 +38,24 @@ def test_gpu_bench_runs_its_mla_case_and_a_registry_model_by_path_with_its_weigh
     tokenizer = bundled_tokenizer(registry.SMOLLM2)
     cfg = dataclasses.replace(bench.SMOKE, vocab_size=len(tokenizer), max_position=512)
     path = save_checkpoint(tmp_path / "tiny", cfg, init_params(cfg, seed=1, scale=0.15), tokenizer)
-    assert bench.main(["--smoke", "--cases", "smoke-mla", "--models", str(path), "--model-batch", "2",
-                       "--model-contexts", "192,4096", "--decode-steps", "2"]) == 0
+    assert (
+        bench.main(
+            [
+                "--smoke",
+                "--cases",
+                "smoke-mla",
+                "--models",
+                str(path),
+                "--model-batch",
+                "2",
+                "--model-contexts",
+                "192,4096",
+                "--decode-steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     mla, model = out.split(f"== {path}, batch 2, 192 context tokens ==")
     assert "== smoke-mla, batch 2, 192 context tokens ==" in mla

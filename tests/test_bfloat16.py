@@ -37,21 +37,22 @@ def _context(tok, limit: int) -> np.ndarray:
     ids = prompts.encode_text(tok, DOCUMENT)
     assert len(ids) >= limit, "the demo document is shorter than the positions the test needs"
     prompt, _ = prompts.split_for_reuse(tok, tok.decode(ids[:limit]), [])
-    return prompt, prompt.ids()[:prompt.context_end]
+    return prompt, prompt.ids()[: prompt.context_end]
 
 
 def _next_tokens(params, cfg, tokens, chunk: int = 416) -> np.ndarray:
     """Teacher-forced argmax next token at every position, chunk by chunk over one cache (the logits of one chunk,
     [chunk, V] float32, never those of the whole text at once; the last chunk right-padded to the same shape)."""
     cache = gen.on_params_device(
-        gen.kv.init_cache(cfg, 1, gen.capacity_for(len(tokens) + chunk, cfg), dtypes.of_params(params)), params)
+        gen.kv.init_cache(cfg, 1, gen.capacity_for(len(tokens) + chunk, cfg), dtypes.of_params(params)), params
+    )
     predicted = []
     for start in range(0, len(tokens), chunk):
-        piece = tokens[start:start + chunk]
+        piece = tokens[start : start + chunk]
         block = np.zeros((1, chunk), np.int32)  # [1, T]
-        block[0, :piece.size] = piece
+        block[0, : piece.size] = piece
         argmax, cache = _argmax_step(params, jnp.asarray(block), jnp.asarray([piece.size], jnp.int32), cache, cfg)
-        predicted.append(np.asarray(argmax[0, :piece.size]))
+        predicted.append(np.asarray(argmax[0, : piece.size]))
     assert cache.layers[0].k.dtype == dtypes.of_params(params)
     return np.concatenate(predicted)
 
@@ -87,8 +88,13 @@ def test_bfloat16_keeps_the_float32_kvzip_pairs(model_pair):
         reread = kvzip.reread_inputs(tok, [prefix_len], [tokens[prefix_len:]])
         scores = jax.jit(kvzip.score)(params, cfg, cache, reread)
         assert scores.dtype == jnp.float32
-        keeps.append(np.asarray(kvzip.keep_mask(scores, jnp.asarray([context_len]), RATIO,
-                                                evictable=kvzip.scoring.evictable_layers(cfg))))
+        keeps.append(
+            np.asarray(
+                kvzip.keep_mask(
+                    scores, jnp.asarray([context_len]), RATIO, evictable=kvzip.scoring.evictable_layers(cfg)
+                )
+            )
+        )
     kept32, kept16 = keeps
     overlap = float((kept32 & kept16).sum() / kept32.sum())
     print(f"{name}: bfloat16 keeps {overlap:.2%} of float32's top-{RATIO:.0%} pairs")

@@ -36,8 +36,9 @@ def test_blocked_attention_adds_the_bias_to_the_logits():
     filled = jnp.asarray([[40, 33], [12, 0]], jnp.int32)
     bias = jnp.asarray(rng.normal(0, 2, (B, K, C)), jnp.float32)
     query_slots = filled[:, :, None] + jnp.arange(T)  # queries after every cached key
-    out, lse, _ = attention.blocked_attention(q, k, v, filled, None, None, query_slots, None, 0.25, key_bias=bias,
-                                              block=16)
+    out, lse, _ = attention.blocked_attention(
+        q, k, v, filled, None, None, query_slots, None, 0.25, key_bias=bias, block=16
+    )
     logits = 0.25 * jnp.einsum("BTKGH,BKSH->BKGTS", q, k, precision="highest") + bias[:, :, None, None, :]
     visible = (jnp.arange(C) < filled[..., None])[:, :, None, None, :]
     logits = jnp.where(visible, logits, -jnp.inf)
@@ -81,13 +82,21 @@ def test_a_minus_infinite_bias_evicts_and_bytes_count_the_bias():
     rng = np.random.default_rng(4)
     hide = rng.random((CFG.num_layers, 1, CFG.num_kv_heads, masked.layers[0].capacity)) < 0.3
     hide[..., :PREFIX] = False
-    hide[..., PREFIX + CONTEXT:] = False  # only context pairs: new tokens get no bias
+    hide[..., PREFIX + CONTEXT :] = False  # only context pairs: new tokens get no bias
     biased = _with_bias(masked, hide=hide)
-    zero_bias = dataclasses.replace(biased, layers=tuple(
-        dataclasses.replace(layer, bias=jnp.where(jnp.isinf(layer.bias), -jnp.inf, 0.0).astype(jnp.float32))
-        for layer in biased.layers))
-    evicted = dataclasses.replace(masked, layers=tuple(
-        dataclasses.replace(layer, keep=layer.keep & ~jnp.asarray(h)) for layer, h in zip(masked.layers, hide)))
+    zero_bias = dataclasses.replace(
+        biased,
+        layers=tuple(
+            dataclasses.replace(layer, bias=jnp.where(jnp.isinf(layer.bias), -jnp.inf, 0.0).astype(jnp.float32))
+            for layer in biased.layers
+        ),
+    )
+    evicted = dataclasses.replace(
+        masked,
+        layers=tuple(
+            dataclasses.replace(layer, keep=layer.keep & ~jnp.asarray(h)) for layer, h in zip(masked.layers, hide)
+        ),
+    )
     position = masked.next_position[:, None]
     a = gen.forward(PARAMS, jnp.asarray([[9]]), position, zero_bias, CFG)[0]
     b = gen.forward(PARAMS, jnp.asarray([[9]]), position, evicted, CFG)[0]
@@ -104,10 +113,14 @@ def test_whole_ragged_blocks_of_minus_infinite_bias_give_no_nan():
     """A head whose every context key has bias -inf: its ragged blocks hold only such keys and stay finite."""
     dense = _caches(CFG, PARAMS)[0]
     hide = np.zeros((CFG.num_layers, 1, CFG.num_kv_heads, dense.layers[0].capacity), bool)
-    hide[0, :, 0, PREFIX:PREFIX + CONTEXT] = True
-    biased = dataclasses.replace(dense, layers=tuple(
-        dataclasses.replace(layer, bias=jnp.where(jnp.asarray(h), -jnp.inf, 0.0).astype(jnp.float32))
-        for layer, h in zip(dense.layers, hide)))
+    hide[0, :, 0, PREFIX : PREFIX + CONTEXT] = True
+    biased = dataclasses.replace(
+        dense,
+        layers=tuple(
+            dataclasses.replace(layer, bias=jnp.where(jnp.asarray(h), -jnp.inf, 0.0).astype(jnp.float32))
+            for layer, h in zip(dense.layers, hide)
+        ),
+    )
     position = dense.next_position[:, None]
     want = gen.forward(PARAMS, jnp.asarray([[9]]), position, biased, CFG)[0]
     got = gen.forward(PARAMS, jnp.asarray([[9]]), position, kv.pack(biased, room=16), CFG)[0]

@@ -28,27 +28,36 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def caches(restored):  # noqa: F811
+def caches(restored):
     """{form: cache} of the CONTEXT at ratio 0.5: KVzip masked, the same packed ragged, AM-compacted ragged, and
     quantized: the ragged one in int4 with uncentred keys, the compacted one (dense, with its bias) in int8."""
     context, suffixes = prompts.split_for_reuse(restored.tokenizer, CONTEXT, [QUESTION])
     _, cache = gen.prefill(restored.params, restored.cfg, [context.ids()])
     reread = kvzip.reread_inputs(restored.tokenizer, [context.context_start], [context.ids()[context.context_slice]])
     masked, _ = jax.jit(kvzip.score_and_evict)(restored.params, restored.cfg, cache, reread, 0.5)
-    compacted, _ = jax.jit(matching.compact)(restored.params, restored.cfg, cache, reread,
-                                             matching.MatchingConfig(ratio=0.5))
+    compacted, _ = jax.jit(matching.compact)(
+        restored.params, restored.cfg, cache, reread, matching.MatchingConfig(ratio=0.5)
+    )
     int4, int8 = QuantFormat(bits=4, group=32), QuantFormat(bits=8, group=64, scale_dtype="float16")
-    return {"masked": masked, "ragged": kv.pack(masked, 64), "compacted": kv.pack(compacted, 64),
-            "ragged-int4": kv.quantized(kv.pack(masked, 64), int4, window=32, center=False),
-            "compacted-int8": kv.quantized(compacted, int8)}, suffixes[0]
+    return {
+        "masked": masked,
+        "ragged": kv.pack(masked, 64),
+        "compacted": kv.pack(compacted, 64),
+        "ragged-int4": kv.quantized(kv.pack(masked, 64), int4, window=32, center=False),
+        "compacted-int8": kv.quantized(compacted, int8),
+    }, suffixes[0]
 
 
 def _answer(model, cache, suffix):
     return gen.ask(model.params, model.cfg, cache, suffix, 12, stop_tokens=prompts.stop_token_ids(model.tokenizer))[0]
 
 
-def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smollm2_checkpoint, restored,  # noqa: F811
-                                                                 caches):
+def test_save_then_load_in_a_new_process_answers_token_for_token(
+    tmp_path,
+    smollm2_checkpoint,
+    restored,
+    caches,
+):
     forms, suffix = caches
     want = {}
     for form, cache in forms.items():
@@ -60,7 +69,12 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smoll
         layout = manifest["layers"][0]
         if form == "ragged-int4":  # the format is in the manifest; a cache without quantized layers stays layout 1
             assert (layout["kind"], layout["store"], layout["bits"], layout["group"], layout["window"]) == (
-                "quantized", "ragged", 4, 32, 32) and manifest["layout_version"] == 2
+                "quantized",
+                "ragged",
+                4,
+                32,
+                32,
+            ) and manifest["layout_version"] == 2
         elif form == "ragged":
             assert layout["kind"] == "ragged" and manifest["layout_version"] == 1
         elif form == "compacted-int8":  # centred keys: their centres saved beside the store
@@ -86,12 +100,14 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(tmp_path, smoll
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's readers of damaged files
-def test_every_mismatch_gets_its_named_error(tmp_path, restored, caches):  # noqa: F811
+def test_every_mismatch_gets_its_named_error(tmp_path, restored, caches):
     forms, _ = caches
     saved = cache_io.save(tmp_path / "c", forms["ragged"], restored)
     first = jax.tree_util.tree_leaves_with_path(restored.params)[0][0]
-    other = dataclasses.replace(restored, params=jax.tree_util.tree_map_with_path(
-        lambda path, x: x * 1.01 if path == first else x, restored.params))  # another model: one tensor retrained
+    other = dataclasses.replace(
+        restored,
+        params=jax.tree_util.tree_map_with_path(lambda path, x: x * 1.01 if path == first else x, restored.params),
+    )  # another model: one tensor retrained
     with pytest.raises(cache_io.CacheMismatchError, match="weights differ"):
         cache_io.load(saved, other)
     bf16 = dataclasses.replace(restored, params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), restored.params))
@@ -114,7 +130,7 @@ def test_every_mismatch_gets_its_named_error(tmp_path, restored, caches):  # noq
     data.write_bytes(bytes(damaged))
     with pytest.raises(cache_io.CacheCorruptError):
         cache_io.load(saved, restored)
-    data.write_bytes(original[:len(original) // 3])
+    data.write_bytes(original[: len(original) // 3])
     with pytest.raises(cache_io.CacheCorruptError):
         cache_io.load(saved, restored)
     gc.collect()  # orbax's abandoned shard readers of the damaged files go here, under this test's filter, not later
@@ -122,7 +138,7 @@ def test_every_mismatch_gets_its_named_error(tmp_path, restored, caches):  # noq
         cache_io.load(tmp_path / "absent", restored)
 
 
-def test_a_save_killed_midway_leaves_nothing_that_loads(tmp_path, smollm2_checkpoint, restored):  # noqa: F811
+def test_a_save_killed_midway_leaves_nothing_that_loads(tmp_path, smollm2_checkpoint, restored):
     """A subprocess saves a cache and is killed (SIGKILL) after the arrays are written, before the manifest."""
     target = tmp_path / "killed"
     script = textwrap.dedent(f"""
@@ -144,13 +160,31 @@ def test_a_save_killed_midway_leaves_nothing_that_loads(tmp_path, smollm2_checkp
             cache_io.load(path, restored)
 
 
-def test_cli_compress_save_then_ask_or_chat_without_prefill(capsys, monkeypatch, smollm2, restored,  # noqa: F811
-                                                            tmp_path):
+def test_cli_compress_save_then_ask_or_chat_without_prefill(
+    capsys,
+    monkeypatch,
+    smollm2,
+    restored,
+    tmp_path,
+):
     context_file = tmp_path / "context.txt"
     context_file.write_text(CONTEXT)
     saved = tmp_path / "doc.kv"
-    argv = ["compress", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
-            "--question", QUESTION, "--max-new-tokens", "12", "--save", str(saved)]
+    argv = [
+        "compress",
+        "--model",
+        str(smollm2),
+        "--context",
+        str(context_file),
+        "--ratio",
+        "0.5",
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        "12",
+        "--save",
+        str(saved),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"saved to {saved}/" in out and "bytes on disk" in out and "bytes in memory" in out
@@ -167,8 +201,22 @@ def test_cli_compress_save_then_ask_or_chat_without_prefill(capsys, monkeypatch,
     assert cli.main(["chat", "--cache", str(saved), "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert "no prefill, no scoring" in out and f"> {answer[3:]}\n" in out and out.rstrip().endswith("bye")
-    assert cli.main(["compress", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
-                     "--save", str(saved)]) == cli.EXIT_USER_ERROR  # exists: refused, not overwritten
+    assert (
+        cli.main(
+            [
+                "compress",
+                "--model",
+                str(smollm2),
+                "--context",
+                str(context_file),
+                "--ratio",
+                "0.5",
+                "--save",
+                str(saved),
+            ]
+        )
+        == cli.EXIT_USER_ERROR
+    )  # exists: refused, not overwritten
     assert "already exists" in capsys.readouterr().err
     assert cli.main(["ask", "--cache", str(tmp_path / "absent"), "--question", QUESTION]) == cli.EXIT_USER_ERROR
     assert "not a saved cache" in capsys.readouterr().err

@@ -16,8 +16,10 @@ K, H = CFG.num_kv_heads, CFG.head_dim
 def _new(T, seed):
     """Distinct k, v [1, K, T, H] (every entry nonzero) to find where they were written."""
     rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.random((1, K, T, H)) + 1, jnp.float32), jnp.asarray(rng.random((1, K, T, H)) + 1,
-                                                                               jnp.float32))
+    return (
+        jnp.asarray(rng.random((1, K, T, H)) + 1, jnp.float32),
+        jnp.asarray(rng.random((1, K, T, H)) + 1, jnp.float32),
+    )
 
 
 @pytest.mark.parametrize("T", [4, 12])  # a block narrower than the cache, and one wider than it
@@ -48,10 +50,13 @@ def test_ragged_write_never_spills_into_the_next_heads_segment():
     offsets, lengths = np.asarray(ragged.offsets)[0], np.asarray(ragged.lengths)[0]
     for head in range(K):
         start, end = offsets[head], offsets[head] + capacity[head]
-        np.testing.assert_array_equal(np.asarray(written.k[0, start:start + lengths[head]]),
-                                      np.asarray(ragged.k[0, start:start + lengths[head]]))  # kept pairs intact
-        np.testing.assert_array_equal(np.asarray(written.k[0, start + lengths[head]:end]),
-                                      np.asarray(k_new[0, head, :room[head]]))  # then what fitted, in order
+        np.testing.assert_array_equal(
+            np.asarray(written.k[0, start : start + lengths[head]]),
+            np.asarray(ragged.k[0, start : start + lengths[head]]),
+        )  # kept pairs intact
+        np.testing.assert_array_equal(
+            np.asarray(written.k[0, start + lengths[head] : end]), np.asarray(k_new[0, head, : room[head]])
+        )  # then what fitted, in order
     assert written.k.shape == ragged.k.shape
 
 

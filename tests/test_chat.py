@@ -1,6 +1,6 @@
-"""kvzip-jax chat driven through stdin on a tiny random model with SmolLM2's tokenizer: two turns answered, the second conditioned on the first (its
-tokens are those of the multi-turn layout computed through the API), the answers streamed in pieces, /bytes and
-/reset, a clean exit on EOF (Ctrl-D)."""
+"""kvzip-jax chat driven through stdin on a tiny random model with SmolLM2's tokenizer: two turns answered, the second
+conditioned on the first (its tokens are those of the multi-turn layout computed through the API), the answers streamed
+in pieces, /bytes and /reset, a clean exit on EOF (Ctrl-D)."""
 
 import io
 import sys
@@ -44,22 +44,22 @@ def _expected_answers(model, max_new: int):
     return answers
 
 
-def test_two_turns_streamed_then_a_clean_exit(monkeypatch, tiny, tmp_path):  # noqa: F811
+def test_two_turns_streamed_then_a_clean_exit(monkeypatch, tiny, tmp_path):
     context_file = tmp_path / "context.txt"
     context_file.write_text(CONTEXT)
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{QUESTION}\n{FOLLOW_UP}\n/bytes\n/reset\n/bytes\n"))
     out = Writes()
     monkeypatch.setattr(sys, "stdout", out)
-    argv = ["chat", "--model", "tiny", "--context", str(context_file), "--ratio", "0.5",
-            "--max-new-tokens", "16"]
+    argv = ["chat", "--model", "tiny", "--context", str(context_file), "--ratio", "0.5", "--max-new-tokens", "16"]
     assert cli.main(argv) == 0
     text = out.getvalue()
     first, second = _expected_answers(tiny, 16)
     assert f"> {first}\n> {second}\n" in text, text  # each answer printed after its prompt, in order
     assert first != second and len(first) > 0
     assert text.rstrip().endswith("bye")  # EOF after the last command: a clean exit
-    conversation = [int(line.split("; ")[1].split()[0]) for line in text.splitlines() if "tokens of conversation" in
-                    line]
+    conversation = [
+        int(line.split("; ")[1].split()[0]) for line in text.splitlines() if "tokens of conversation" in line
+    ]
     assert conversation[0] > 0 and conversation[1] == 0  # /reset drops the turns, keeps the document
     pieces = [w for w in out.writes if w and w != "\n" and not w.startswith(("> ", "KV cache", "commands"))]
     assert len(pieces) >= 3  # streamed: the answers arrived in several writes

@@ -15,9 +15,11 @@ from kvzip_jax.weights import registry
 from tests.conftest import _checkpoints_dir
 from tests.test_kvzip_score import tiny_config
 
-CONTEXT = ("The survey team left Longyearbyen on the fourth of May. The helicopter that evacuated the injured "
-           "glaciologist was piloted by Ingrid Solberg. The backup ice-core drill travelled in crate K-4471. The "
-           "complete results will be presented in Trondheim next spring.")
+CONTEXT = (
+    "The survey team left Longyearbyen on the fourth of May. The helicopter that evacuated the injured "
+    "glaciologist was piloted by Ingrid Solberg. The backup ice-core drill travelled in crate K-4471. The "
+    "complete results will be presented in Trondheim next spring."
+)
 QUESTION = "Who piloted the helicopter?"
 
 
@@ -56,37 +58,73 @@ def _fails_with_one_line(capsys, argv, *fragments):
 
 @pytest.mark.parametrize("ratio", ["0", "1.5", "-0.2"])
 def test_a_ratio_outside_zero_one_exits_2(capsys, context_file, ratio):
-    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(context_file),
-                                  "--ratio", ratio], "ratio", "(0, 1]")
+    _fails_with_one_line(
+        capsys,
+        ["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", ratio],
+        "ratio",
+        "(0, 1]",
+    )
 
 
 def test_a_missing_or_empty_context_file_exits_2(capsys, tmp_path):
     missing = tmp_path / "absent.txt"
-    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(missing),
-                                  "--ratio", "0.3"], "context file", str(missing))
+    _fails_with_one_line(
+        capsys,
+        ["compress", "--model", registry.SMOLLM2, "--context", str(missing), "--ratio", "0.3"],
+        "context file",
+        str(missing),
+    )
     empty = tmp_path / "empty.txt"
     empty.write_text(" \n\n")
-    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(empty),
-                                  "--ratio", "0.3"], "empty")
+    _fails_with_one_line(
+        capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(empty), "--ratio", "0.3"], "empty"
+    )
 
 
 def test_a_malformed_questions_file_exits_2(capsys, context_file, tmp_path):
     questions = tmp_path / "questions.json"
     questions.write_text('[{"q": "no question key"}]')
-    _fails_with_one_line(capsys, ["compress", "--model", registry.SMOLLM2, "--context", str(context_file),
-                                  "--ratio", "0.3", "--questions", str(questions)], "JSON list")
+    _fails_with_one_line(
+        capsys,
+        [
+            "compress",
+            "--model",
+            registry.SMOLLM2,
+            "--context",
+            str(context_file),
+            "--ratio",
+            "0.3",
+            "--questions",
+            str(questions),
+        ],
+        "JSON list",
+    )
 
 
 def test_level_head_without_head_scores_says_to_run_head_scores_first(capsys, context_file, tmp_path):
-    _fails_with_one_line(capsys, ["compress", "--model", str(tmp_path), "--context", str(context_file),
-                                  "--ratio", "0.5", "--level", "head"], f"kvzip-jax head-scores --model {tmp_path}")
+    _fails_with_one_line(
+        capsys,
+        ["compress", "--model", str(tmp_path), "--context", str(context_file), "--ratio", "0.5", "--level", "head"],
+        f"kvzip-jax head-scores --model {tmp_path}",
+    )
 
 
 def test_an_empty_instruction_exits_2_before_loading_the_model(capsys, monkeypatch, context_file):
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3",
-                  "--instruction", " "])
+        cli.main(
+            [
+                "compress",
+                "--model",
+                registry.SMOLLM2,
+                "--context",
+                str(context_file),
+                "--ratio",
+                "0.3",
+                "--instruction",
+                " ",
+            ]
+        )
     assert exit_info.value.code == cli.EXIT_USER_ERROR
     assert "--instruction is empty" in capsys.readouterr().err
 
@@ -94,9 +132,25 @@ def test_an_empty_instruction_exits_2_before_loading_the_model(capsys, monkeypat
 def test_compress_answers_from_the_compressed_cache(capsys, smollm2, restored, context_file, tmp_path):
     questions = tmp_path / "questions.json"
     questions.write_text(json.dumps([{"question": "Which crate held the backup drill?", "answer": "K-4471"}]))
-    argv = ["compress", "--model", str(smollm2), "--context", str(context_file), "--ratio", "0.5",
-            "--question", QUESTION, "--questions", str(questions), "--max-new-tokens", "12", "--chunk-size", "64",
-            "--instruction", "kvzip"]
+    argv = [
+        "compress",
+        "--model",
+        str(smollm2),
+        "--context",
+        str(context_file),
+        "--ratio",
+        "0.5",
+        "--question",
+        QUESTION,
+        "--questions",
+        str(questions),
+        "--max-new-tokens",
+        "12",
+        "--chunk-size",
+        "64",
+        "--instruction",
+        "kvzip",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     context, _ = prompts.split_for_reuse(restored.tokenizer, CONTEXT, [], instruction=prompts.KVZIP_INSTRUCTION)
@@ -126,15 +180,36 @@ def test_compress_refuses_what_cannot_fit_before_allocating(capsys, tiny, contex
 
     monkeypatch.setattr(memory, "device_memory", lambda: 64 << 10)  # a 64 KiB device
     monkeypatch.setattr(gen, "prefill", lambda *a, **k: pytest.fail("the cache was allocated"))
-    _fails_with_one_line(capsys, ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3",
-                                  "--question", QUESTION], "GiB per device (params 0.00, cache", "largest part")
+    _fails_with_one_line(
+        capsys,
+        ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question", QUESTION],
+        "GiB per device (params 0.00, cache",
+        "largest part",
+    )
 
 
 @pytest.mark.parametrize("method, flags", [("am-hak", []), ("kvzip-am-op", ["--self-study"])])
-def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes(capsys, tiny, context_file, method,
-                                                                                 flags):
-    argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--method", method,
-            "--question", QUESTION, "--max-new-tokens", "4", "--chunk-size", "64", *flags]
+def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes(
+    capsys, tiny, context_file, method, flags
+):
+    argv = [
+        "compress",
+        "--model",
+        "tiny",
+        "--context",
+        str(context_file),
+        "--ratio",
+        "0.3",
+        "--method",
+        method,
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        "4",
+        "--chunk-size",
+        "64",
+        *flags,
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"{method} (Attention Matching, arXiv 2602.16284) at ratio 0.3: keys selected, their values and a " in out
@@ -144,8 +219,11 @@ def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes
     assert 0 < kept < 0.3 * total  # same bytes: a few pairs fewer than KVzip's floor(0.3 x pairs), for the bias
     assert "KV cache bytes: full " in out and "KV cache bytes: compressed " in out
     # the bias is counted: every kept pair costs 2 x 8 x 4 + 4 bytes in float32 (the prefix's pairs too)
-    filled = lambda name: int(next(line for line in out.splitlines() if line.startswith(f"KV cache bytes: {name}"))
-                              .split()[4].replace(",", ""))
+    filled = lambda name: int(
+        next(line for line in out.splitlines() if line.startswith(f"KV cache bytes: {name}"))
+        .split()[4]
+        .replace(",", "")
+    )
     full_pairs = filled("full") // (2 * 8 * 4)
     assert filled("compressed") == (full_pairs - (total - kept)) * (2 * 8 * 4 + 4)
 
@@ -154,8 +232,20 @@ def test_compress_by_attention_matching_answers_and_reports_kept_pairs_and_bytes
 def test_a_method_refuses_options_it_does_not_have(capsys, monkeypatch, context_file, flags):
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3",
-                  "--method", "kvzip-am", *flags])
+        cli.main(
+            [
+                "compress",
+                "--model",
+                registry.SMOLLM2,
+                "--context",
+                str(context_file),
+                "--ratio",
+                "0.3",
+                "--method",
+                "kvzip-am",
+                *flags,
+            ]
+        )
     assert exit_info.value.code == cli.EXIT_USER_ERROR
     assert "--level is an option of kvzip; --method kvzip-am has none" in capsys.readouterr().err
 
@@ -163,8 +253,9 @@ def test_a_method_refuses_options_it_does_not_have(capsys, monkeypatch, context_
 def test_self_study_needs_a_method_that_reads_reference_queries(capsys, monkeypatch, context_file):
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit):
-        cli.main(["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3",
-                  "--self-study"])
+        cli.main(
+            ["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3", "--self-study"]
+        )
     assert "--self-study adds reference queries; --method kvzip reads none" in capsys.readouterr().err
 
 
@@ -184,8 +275,23 @@ def test_head_scores_then_compress_at_the_head_level_from_stdin(capsys, monkeypa
     context = tmp_path / "context.txt"
     context.write_text(CONTEXT)
     monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTION}\n\n"))
-    argv = ["compress", "--model", str(model), "--context", str(context), "--ratio", "0.4", "--level", "head",
-            "--sink", "4", "--recent", "8", "--max-new-tokens", "8"]
+    argv = [
+        "compress",
+        "--model",
+        str(model),
+        "--context",
+        str(context),
+        "--ratio",
+        "0.4",
+        "--level",
+        "head",
+        "--sink",
+        "4",
+        "--recent",
+        "8",
+        "--max-new-tokens",
+        "8",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "from saved head scores, no scoring pass" in out and "questions from stdin" in out
@@ -195,12 +301,42 @@ def test_head_scores_then_compress_at_the_head_level_from_stdin(capsys, monkeypa
 @pytest.mark.extended  # the CLI sweep, its report and its resume run in test_eval_distributed (tiny model, faster)
 def test_eval_sweeps_writes_the_report_and_resumes(capsys, smollm2, tmp_path):
     records = tmp_path / "records.jsonl"
-    records.write_text(json.dumps({"context": CONTEXT, "queries": [QUESTION, "Which crate held the backup drill?"],
-                                   "answers": ["Ingrid Solberg", "K-4471"], "max_new_tokens": 10}) + "\n")
+    records.write_text(
+        json.dumps(
+            {
+                "context": CONTEXT,
+                "queries": [QUESTION, "Which crate held the backup drill?"],
+                "answers": ["Ingrid Solberg", "K-4471"],
+                "max_new_tokens": 10,
+            }
+        )
+        + "\n"
+    )
     out = tmp_path / "run"
-    argv = ["eval", "--model", str(smollm2), "--tasks", "passkey", "--contexts", "1", "--context-tokens", "120",
-            "--questions-per-context", "2", "--jsonl", str(records), "--methods", "kvzip,snapkv",
-            "--ratios", "1,0.3", "--batch-size", "2", "--out", str(out), "--no-progress"]
+    argv = [
+        "eval",
+        "--model",
+        str(smollm2),
+        "--tasks",
+        "passkey",
+        "--contexts",
+        "1",
+        "--context-tokens",
+        "120",
+        "--questions-per-context",
+        "2",
+        "--jsonl",
+        str(records),
+        "--methods",
+        "kvzip,snapkv",
+        "--ratios",
+        "1,0.3",
+        "--batch-size",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert cli.main(argv) == 0
     printed = capsys.readouterr().out
     lines = (out / "results.jsonl").read_text().splitlines()
@@ -214,9 +350,16 @@ def test_eval_sweeps_writes_the_report_and_resumes(capsys, smollm2, tmp_path):
     assert (out / "results.jsonl").read_text().splitlines() == lines
 
 
-@pytest.mark.parametrize("flag, value, fragment", [
-    ("--methods", "kvzip,magic", "unknown method"), ("--ratios", "0.5,1.5", "ratio"),
-    ("--tasks", "haystacks", "unknown task"), ("--modes", "sometimes", "modes"), ("--ratios", "half", "--ratios")])
+@pytest.mark.parametrize(
+    "flag, value, fragment",
+    [
+        ("--methods", "kvzip,magic", "unknown method"),
+        ("--ratios", "0.5,1.5", "ratio"),
+        ("--tasks", "haystacks", "unknown task"),
+        ("--modes", "sometimes", "modes"),
+        ("--ratios", "half", "--ratios"),
+    ],
+)
 def test_eval_refuses_bad_choices_before_loading_the_model(capsys, monkeypatch, flag, value, fragment):
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
@@ -227,8 +370,23 @@ def test_eval_refuses_bad_choices_before_loading_the_model(capsys, monkeypatch, 
 
 def test_compress_draws_what_was_kept(capsys, tiny, context_file, tmp_path):
     png, page = tmp_path / "pics" / "kept.png", tmp_path / "kept.html"
-    argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question", QUESTION,
-            "--max-new-tokens", "2", "--plot", str(png), "--html", str(page)]
+    argv = [
+        "compress",
+        "--model",
+        "tiny",
+        "--context",
+        str(context_file),
+        "--ratio",
+        "0.3",
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        "2",
+        "--plot",
+        str(png),
+        "--html",
+        str(page),
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"wrote {png}" in out and f"wrote {page}" in out
@@ -252,8 +410,26 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
     used = {}
     uncentred = ["--no-kv-center"]
     for name, bits, flags in (("16", "16", []), ("8", "8", uncentred), ("4", "4", uncentred), ("4-centred", "4", [])):
-        argv = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question",
-                QUESTION, "--max-new-tokens", "4", "--chunk-size", "64", "--kv-bits", bits, "--kv-group", "4", *flags]
+        argv = [
+            "compress",
+            "--model",
+            "tiny",
+            "--context",
+            str(context_file),
+            "--ratio",
+            "0.3",
+            "--question",
+            QUESTION,
+            "--max-new-tokens",
+            "4",
+            "--chunk-size",
+            "64",
+            "--kv-bits",
+            bits,
+            "--kv-group",
+            "4",
+            *flags,
+        ]
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
         line = next(line for line in out.splitlines() if line.startswith("KV cache bytes: compressed"))
@@ -264,8 +440,23 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
     assert used["16"] / 64 == used["8"] / 32 == used["4"] / 24
     assert used["4-centred"] - used["4"] == 2 * 2 * 8 * 2  # layers x KV heads x head dim, bf16
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question",
-                  QUESTION, "--kv-bits", "4", "--kv-group", "3"])
+        cli.main(
+            [
+                "compress",
+                "--model",
+                "tiny",
+                "--context",
+                str(context_file),
+                "--ratio",
+                "0.3",
+                "--question",
+                QUESTION,
+                "--kv-bits",
+                "4",
+                "--kv-group",
+                "3",
+            ]
+        )
     assert exit_info.value.code == cli.EXIT_USER_ERROR and "--kv-group: group must be" in capsys.readouterr().err
 
 
@@ -274,13 +465,30 @@ def test_a_saved_cache_is_quantized_on_ask_or_asked_as_saved(capsys, tiny, conte
     (its format in the manifest), and asking it at another width is a usage error."""
     from kvzip_jax import cache_io
 
-    base = ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question", QUESTION,
-            "--max-new-tokens", "4", "--chunk-size", "64", "--kv-group", "4", "--save"]
+    base = [
+        "compress",
+        "--model",
+        "tiny",
+        "--context",
+        str(context_file),
+        "--ratio",
+        "0.3",
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        "4",
+        "--chunk-size",
+        "64",
+        "--kv-group",
+        "4",
+        "--save",
+    ]
     assert cli.main(base + [str(tmp_path / "doc.kv")]) == 0
     assert cli.main(base + [str(tmp_path / "doc4.kv"), "--kv-bits", "4"]) == 0
     capsys.readouterr()
-    ask = lambda name, *flags: cli.main(["ask", "--cache", str(tmp_path / name), "--question", QUESTION,
-                                         "--max-new-tokens", "4", *flags])
+    ask = lambda name, *flags: cli.main(
+        ["ask", "--cache", str(tmp_path / name), "--question", QUESTION, "--max-new-tokens", "4", *flags]
+    )
     assert ask("doc.kv", "--kv-bits", "8", "--kv-group", "4") == 0
     out = capsys.readouterr().out
     assert ", int8, " in out and out.count("\nA: ") == 1

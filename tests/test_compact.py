@@ -21,18 +21,26 @@ from .test_kvzip_score import tiny_config
 def _reread(prefix_lens, contexts, chunk, rng, prompt=5):
     """RereadInputs with random reread prompts (the tiny model has no tokenizer)."""
     C, B = max(-(-len(c) // chunk) for c in contexts), len(contexts)
-    rows = [[np.concatenate([rng.integers(0, 101, prompt), c[t * chunk:(t + 1) * chunk]]) for t in range(C)]
-            for c in contexts]
+    rows = [
+        [np.concatenate([rng.integers(0, 101, prompt), c[t * chunk : (t + 1) * chunk]]) for t in range(C)]
+        for c in contexts
+    ]
     W = max(len(r) for rr in rows for r in rr)
     tokens, valid, lens = np.zeros((C, B, W), np.int32), np.zeros((C, B), np.int32), np.zeros((C, B), np.int32)
     for b, rr in enumerate(rows):
         for t, r in enumerate(rr):
-            tokens[t, b, :len(r)], valid[t, b] = r, len(r)
-            lens[t, b] = len(contexts[b][t * chunk:(t + 1) * chunk])
+            tokens[t, b, : len(r)], valid[t, b] = r, len(r)
+            lens[t, b] = len(contexts[b][t * chunk : (t + 1) * chunk])
     starts = np.asarray(prefix_lens)[None, :] + chunk * np.arange(C)[:, None]
-    return scoring.RereadInputs(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(starts, jnp.int32),
-                                jnp.asarray(lens), jnp.asarray(prefix_lens, jnp.int32),
-                                jnp.asarray([len(c) for c in contexts], jnp.int32), chunk)
+    return scoring.RereadInputs(
+        jnp.asarray(tokens),
+        jnp.asarray(valid),
+        jnp.asarray(starts, jnp.int32),
+        jnp.asarray(lens),
+        jnp.asarray(prefix_lens, jnp.int32),
+        jnp.asarray([len(c) for c in contexts], jnp.int32),
+        chunk,
+    )
 
 
 def compact_jit_and_eager(params, cfg, cache, reread, config, probes=None, eager=True):
@@ -72,8 +80,9 @@ def test_compact_jit_eager_budgets(setup, selector, budget):
     # shares of (layer, KV head), one none, one above half a head's keys (16 of 27 kept: a value fit over this random
     # model's near-uniform attention that is ill-conditioned, which normal equations alone left to the third digit)
     profile = ((0.5, 0.0), (0.2, 0.3)) if budget == "profile" else None
-    config = matching.MatchingConfig(ratio=0.3, selector=selector, budget=budget, sources=("repeat", "context"),
-                                     profile=profile)
+    config = matching.MatchingConfig(
+        ratio=0.3, selector=selector, budget=budget, sources=("repeat", "context"), profile=profile
+    )
     out, counts = compact_jit_and_eager(params, cfg, cache, reread, config, eager=(budget, selector) in EAGER)
     ratio = matching.effective_ratio(config, cache)
     L, K = cfg.num_layers, cfg.num_kv_heads
@@ -127,8 +136,9 @@ def test_refined_compaction_moves_only_beta_and_values_of_kept_slots(setup):
     cfg, params, cache, reread = setup
     base = matching.MatchingConfig(ratio=0.3, budget="uniform")
     closed, counts = jax.jit(matching.compact)(params, cfg, cache, reread, base)
-    refined, refined_counts = jax.jit(matching.compact)(params, cfg, cache, reread,
-                                                        dataclasses.replace(base, refine_steps=20))
+    refined, refined_counts = jax.jit(matching.compact)(
+        params, cfg, cache, reread, dataclasses.replace(base, refine_steps=20)
+    )
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(refined_counts))
     for a, b in zip(closed.layers, refined.layers):
         np.testing.assert_array_equal(np.asarray(a.keep), np.asarray(b.keep))
@@ -166,17 +176,17 @@ def test_one_head_of_compact_equals_the_numpy_oracle(setup):
     layer, row, head = 1, 1, 0
     prefix, n = int(reread.prefix_len[row]), int(reread.context_len[row])
     q = np.asarray(queries.q[layer][row, head], np.float64)[np.asarray(queries.valid[row])]
-    k = np.asarray(cache.layers[layer].k[row, head, prefix:prefix + n], np.float64)
-    v = np.asarray(cache.layers[layer].v[row, head, prefix:prefix + n], np.float64)
+    k = np.asarray(cache.layers[layer].k[row, head, prefix : prefix + n], np.float64)
+    v = np.asarray(cache.layers[layer].v[row, head, prefix : prefix + n], np.float64)
     z = cfg.query_scale * q @ k.T
     attention = np.exp(z - z.max(axis=1, keepdims=True))
     attention /= attention.sum(axis=1, keepdims=True)
     count = int(counts[layer, row, head])
     assert count == int(kept_count(matching.effective_ratio(config, cache), np.asarray([n]))[0])
-    selected = np.sort(np.argsort(-np.sqrt((attention ** 2).mean(axis=0)), kind="stable")[:count])
+    selected = np.sort(np.argsort(-np.sqrt((attention**2).mean(axis=0)), kind="stable")[:count])
     _, beta, c_v = _numpy_fit(q, k, v, selected, cfg.query_scale, float(np.exp(-3)), float(np.exp(3)), 2)
     compacted = out.layers[layer]
-    kept = np.flatnonzero(np.asarray(compacted.keep[row, head, prefix:prefix + n]))
+    kept = np.flatnonzero(np.asarray(compacted.keep[row, head, prefix : prefix + n]))
     np.testing.assert_array_equal(kept, selected)
     np.testing.assert_allclose(np.asarray(compacted.bias[row, head, prefix + kept]), beta, atol=2e-3, rtol=2e-3)
     np.testing.assert_allclose(np.asarray(compacted.v[row, head, prefix + kept]), c_v, atol=2e-3, rtol=2e-3)
@@ -212,14 +222,15 @@ def test_each_head_is_its_own_fit_whatever_its_fit_size(setup, monkeypatch):
     for l, b, k in np.ndindex(*shape):
         start, length, count = int(reread.prefix_len[b]), int(reread.context_len[b]), int(counts[l, b, k])
         q, rows = queries.q[l][b, k], queries.valid[b]
-        keys, values = (x[b, k, start:start + length] for x in (cache.layers[l].k, cache.layers[l].v))
+        keys, values = (x[b, k, start : start + length] for x in (cache.layers[l].k, cache.layers[l].v))
         scores = matching.attention_key_scores(q, keys, cfg.query_scale, query_valid=rows)
         selected = jnp.sort(jax.lax.top_k(scores, count)[1])
-        _, beta, c_v = matching.fit_head(q, keys, values, selected, cfg.query_scale, query_valid=rows, lower=lower,
-                                         upper=upper, iters=iters)
+        _, beta, c_v = matching.fit_head(
+            q, keys, values, selected, cfg.query_scale, query_valid=rows, lower=lower, upper=upper, iters=iters
+        )
         slots = start + np.asarray(selected)
         layer = out.layers[l]
-        kept = np.flatnonzero(np.asarray(layer.keep[b, k, start:start + length])) + start
+        kept = np.flatnonzero(np.asarray(layer.keep[b, k, start : start + length])) + start
         np.testing.assert_array_equal(kept, slots)
         np.testing.assert_allclose(np.asarray(layer.bias[b, k, slots]), np.asarray(beta), atol=1e-4, rtol=1e-4)
         np.testing.assert_allclose(np.asarray(layer.v[b, k, slots]), np.asarray(c_v), atol=1e-4, rtol=1e-4)

@@ -13,8 +13,19 @@ from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.models.params import init_params
 
 PREFIX, CONTEXT = 4, 36
-CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2,
-                  head_dim=8, intermediate_size=64, rms_norm_eps=1e-6, max_position=1024, rope=RopeSpec(1000.0))
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=101,
+    hidden_size=48,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    rms_norm_eps=1e-6,
+    max_position=1024,
+    rope=RopeSpec(1000.0),
+)
 PARAMS = init_params(CFG, seed=1, scale=0.15)
 RNG = np.random.default_rng(0)
 SEQUENCE = RNG.integers(0, CFG.vocab_size, PREFIX + CONTEXT).astype(np.int32)
@@ -100,8 +111,9 @@ def test_a_head_that_keeps_nothing_gives_no_nan():
     keep = np.ones((CFG.num_layers, 1, CFG.num_kv_heads, CONTEXT), bool)
     keep[0, 0, 1] = False  # layer 0, KV head 1 keeps no context pair
     masked = _masked(jnp.asarray(keep))
-    no_prefix = kv.mask_context(_context_cache(), jnp.zeros_like(jnp.asarray(keep)), jnp.array([0]),
-                                jnp.array([PREFIX + CONTEXT]))
+    no_prefix = kv.mask_context(
+        _context_cache(), jnp.zeros_like(jnp.asarray(keep)), jnp.array([0]), jnp.array([PREFIX + CONTEXT])
+    )
     for cache in (masked, kv.pack(masked, 48), no_prefix, kv.pack(no_prefix, 48)):
         logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, cache))
         assert np.isfinite(np.asarray(logits)).all()
@@ -129,10 +141,26 @@ def test_gemma_sliding_layers_keep_their_context_and_global_layers_are_evicted()
     from kvzip_jax import kvzip
     from tests.test_kvzip_score import _inputs
 
-    cfg = ModelConfig(architecture="gemma3", vocab_size=101, hidden_size=48, num_layers=3, num_heads=4,
-                      num_kv_heads=1, head_dim=16, intermediate_size=64, rms_norm_eps=1e-6, max_position=1024,
-                      rope=RopeSpec(10000.0), rope_sliding=RopeSpec(100.0), layer_types=("sliding", "full", "sliding"),
-                      sliding_window=8, qk_norm=True, sandwich_norms=True, activation="gelu_tanh", embed_scale=48**0.5)
+    cfg = ModelConfig(
+        architecture="gemma3",
+        vocab_size=101,
+        hidden_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=16,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        rope=RopeSpec(10000.0),
+        rope_sliding=RopeSpec(100.0),
+        layer_types=("sliding", "full", "sliding"),
+        sliding_window=8,
+        qk_norm=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        embed_scale=48**0.5,
+    )
     params = init_params(cfg, seed=2, scale=0.15)
     reread, _ = _inputs(cfg, SEQUENCE[:PREFIX], SEQUENCE[PREFIX:], 16)
     _, cache = gen.prefill(params, cfg, [SEQUENCE], capacity=64)
@@ -174,13 +202,21 @@ def test_compiled_decode_and_append_copy_no_cache_array(form):
     cache = {"full": _context_cache(), "masked": masked, "ragged": kv.pack(masked, 16)}[form]
     logits = jnp.zeros((1, CFG.vocab_size), jnp.float32)
     stops = jnp.full((gen.MAX_STOP_TOKENS,), -1, jnp.int32)
-    texts = [gen._decode_loop.lower(PARAMS, CFG, logits, cache, jnp.int32(4), stops, gen.Sampling.make(),
-                                    buffer=16).compile().as_text(),
-             gen.forward_step.lower(PARAMS, jnp.asarray(QUESTION)[None], jnp.array([6], jnp.int32), cache,
-                                    CFG).compile().as_text()]
+    texts = [
+        gen._decode_loop.lower(PARAMS, CFG, logits, cache, jnp.int32(4), stops, gen.Sampling.make(), buffer=16)
+        .compile()
+        .as_text(),
+        gen.forward_step.lower(PARAMS, jnp.asarray(QUESTION)[None], jnp.array([6], jnp.int32), cache, CFG)
+        .compile()
+        .as_text(),
+    ]
     kv_shapes = {"f32[" + ",".join(map(str, layer.k.shape)) + "]" for layer in cache.layers}
-    copies = [line.strip() for text in texts for line in text.splitlines()
-              if " copy(" in line and any(f"= {shape}" in line for shape in kv_shapes)]
+    copies = [
+        line.strip()
+        for text in texts
+        for line in text.splitlines()
+        if " copy(" in line and any(f"= {shape}" in line for shape in kv_shapes)
+    ]
     assert kv_shapes and not copies, copies[:4]
 
 
@@ -197,7 +233,7 @@ def numpy_logits_with_evicted_keys(params, cfg, tokens, prefix_len, context_len,
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
 
     def rope(x):  # [T, heads, H]
-        a, b = x[..., :H // 2], x[..., H // 2:]
+        a, b = x[..., : H // 2], x[..., H // 2 :]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
     kv_of = np.arange(N) // (N // K)
@@ -207,11 +243,11 @@ def numpy_logits_with_evicted_keys(params, cfg, tokens, prefix_len, context_len,
     for i in range(cfg.num_layers):
         p = P[f"layers_{i}"]
         qkv = rms(x, p["attn_norm"]) @ p["qkv"]
-        q = rope(qkv[:, :N * H].reshape(T, N, H))
-        k = rope(qkv[:, N * H:(N + K) * H].reshape(T, K, H))
-        v = qkv[:, (N + K) * H:].reshape(T, K, H)
+        q = rope(qkv[:, : N * H].reshape(T, N, H))
+        k = rope(qkv[:, N * H : (N + K) * H].reshape(T, K, H))
+        v = qkv[:, (N + K) * H :].reshape(T, K, H)
         evicted = np.zeros((K, T), bool)  # [K, key]
-        evicted[:, prefix_len:prefix_len + context_len] = ~keep[i]
+        evicted[:, prefix_len : prefix_len + context_len] = ~keep[i]
         visible = causal[None] & ~(question_rows[None, :, None] & evicted[:, None, :])  # [K, T, T]
         logits = np.einsum("tnh,snh->nts", q, k[:, kv_of]) * H**-0.5
         logits = np.where(visible[kv_of], logits, -np.inf)
@@ -231,8 +267,9 @@ def test_mask_context_hides_exactly_the_evicted_slots(level):
     keep = np.array(keep_mask(SCORES, jnp.array([CONTEXT]), 0.3, level))
     keep[0, 0, 1] = False  # a head that keeps nothing
     masked = _masked(jnp.asarray(keep))
-    expected = numpy_logits_with_evicted_keys(PARAMS, CFG, np.concatenate([SEQUENCE, QUESTION]), PREFIX, CONTEXT,
-                                              keep[:, 0])
+    expected = numpy_logits_with_evicted_keys(
+        PARAMS, CFG, np.concatenate([SEQUENCE, QUESTION]), PREFIX, CONTEXT, keep[:, 0]
+    )
     for cache in (masked, kv.pack(masked, 16)):
         logits, _ = gen.prefill(PARAMS, CFG, [QUESTION], jax.tree.map(jnp.array, cache))
         np.testing.assert_allclose(np.asarray(logits)[0], expected, atol=2e-4, rtol=0)

@@ -8,8 +8,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted({ROOT / "README.md", *ROOT.glob("docs/*.md"), ROOT / "bench" / "README.md",
-               *ROOT.glob("studies/**/README.md"), *ROOT.glob("colab/*.md")})
+DOCS = sorted(
+    {
+        ROOT / "README.md",
+        *ROOT.glob("docs/*.md"),
+        ROOT / "bench" / "README.md",
+        *ROOT.glob("studies/**/README.md"),
+        *ROOT.glob("colab/*.md"),
+    }
+)
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 CODE = re.compile(r"(?<!`)`([^`\s]+)`(?!`)")
 FENCE = re.compile(r"^ {0,3}(```|~~~).*?^ {0,3}\1[^\n]*$", re.M | re.S)
@@ -39,15 +46,20 @@ def test_the_docs_are_found():
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda d: d.relative_to(ROOT).as_posix())
 def test_every_local_link_and_repo_path_exists(doc):
-    missing = [f"{doc.relative_to(ROOT)}:{line}: {written}" for line, written, path in targets(doc)
-               if not (any(ROOT.glob(written)) if path is None else path.exists())]
+    missing = [
+        f"{doc.relative_to(ROOT)}:{line}: {written}"
+        for line, written, path in targets(doc)
+        if not (any(ROOT.glob(written)) if path is None else path.exists())
+    ]
     assert not missing, "links to files that do not exist:\n" + "\n".join(missing)
 
 
 def test_the_checker_sees_links_and_paths(tmp_path):
     doc = tmp_path / "a.md"
-    doc.write_text("[x](b.md#part) ![p](img/c.png) [w](https://example.com/d) [in page](#e)\n"
-                   "see `bench/results/` and `studies/*/README.md`, not `a b` nor `--flag`\n"
-                   "```\n[hidden](nowhere.md) `bench/results/nowhere.txt`\n```\n")
+    doc.write_text(
+        "[x](b.md#part) ![p](img/c.png) [w](https://example.com/d) [in page](#e)\n"
+        "see `bench/results/` and `studies/*/README.md`, not `a b` nor `--flag`\n"
+        "```\n[hidden](nowhere.md) `bench/results/nowhere.txt`\n```\n"
+    )
     found = [(line, written) for line, written, _ in targets(doc)]
     assert found == [(1, "b.md#part"), (1, "img/c.png"), (2, "bench/results/"), (2, "studies/*/README.md")]

@@ -40,10 +40,15 @@ def test_a_bfloat16_model_fills_a_bfloat16_cache_and_returns_float32_numbers():
     assert diff.max() > 1e-4  # it really ran in bfloat16
 
     n = len(SEQUENCE) - PREFIX
-    reread = RereadInputs(tokens=jnp.asarray(np.concatenate([[7, 8, 9], SEQUENCE[PREFIX:]])[None, None], jnp.int32),
-                          num_valid=jnp.asarray([[n + 3]], jnp.int32), chunk_start=jnp.asarray([[PREFIX]], jnp.int32),
-                          chunk_len=jnp.asarray([[n]], jnp.int32), prefix_len=jnp.asarray([PREFIX], jnp.int32),
-                          context_len=jnp.asarray([n], jnp.int32), chunk_size=n)
+    reread = RereadInputs(
+        tokens=jnp.asarray(np.concatenate([[7, 8, 9], SEQUENCE[PREFIX:]])[None, None], jnp.int32),
+        num_valid=jnp.asarray([[n + 3]], jnp.int32),
+        chunk_start=jnp.asarray([[PREFIX]], jnp.int32),
+        chunk_len=jnp.asarray([[n]], jnp.int32),
+        prefix_len=jnp.asarray([PREFIX], jnp.int32),
+        context_len=jnp.asarray([n], jnp.int32),
+        chunk_size=n,
+    )
     scores = score(p16, CFG, cache, reread)
     assert scores.dtype == jnp.float32 and np.isfinite(np.asarray(scores)).all()
 
@@ -57,4 +62,3 @@ def test_cli_dtype_and_attention_impl_flags_are_on_every_model_command(capsys):
     with pytest.raises(SystemExit):
         cli_main(["convert", "--help"])
     assert "--dtype {source,float32,bfloat16}" in capsys.readouterr().out
-

@@ -14,9 +14,20 @@ from kvzip_jax.models.params import init_params
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                      head_dim=8, intermediate_size=48, rms_norm_eps=1e-6, max_position=512,
-                      rope=RopeSpec(theta=10000.0), tie_embeddings=True)
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        max_position=512,
+        rope=RopeSpec(theta=10000.0),
+        tie_embeddings=True,
+    )
     return cfg, init_params(cfg, seed=3, scale=0.3)
 
 
@@ -36,8 +47,11 @@ def test_forced_greedy_answers_equal_plain_greedy_decoding(model):
 
     free = oracle(())
     # A stop token that ends one row within the first segment while another row decodes past it.
-    stops = next((t,) for t in range(cfg.vocab_size)
-                 if any(t in row[:answering.SEGMENT - 1] for row in free) and any(t not in row[:9] for row in free))
+    stops = next(
+        (t,)
+        for t in range(cfg.vocab_size)
+        if any(t in row[: answering.SEGMENT - 1] for row in free) and any(t not in row[:9] for row in free)
+    )
     greedy = oracle(stops)
     assert min(map(len, greedy)) < answering.SEGMENT < max(map(len, greedy))
     work = answering.copy_cache(masked)
@@ -45,9 +59,14 @@ def test_forced_greedy_answers_equal_plain_greedy_decoding(model):
     assert plain.tokens == greedy
     full, work = answering.answer(params, cfg, work, suffixes, 12, ())  # other answers to force
     wrong = [[(t[0] + 1) % cfg.vocab_size] for t in plain.tokens]  # a first token greedy would not pick
-    forced_cases = [plain.tokens, full.tokens, [t[:1] for t in full.tokens], [[11], plain.tokens[1], [12, 13]],
-                    [plain.tokens[0], wrong[1], plain.tokens[2]],  # one row to decode: in a gathered copy
-                    wrong]  # every row to decode: in place
+    forced_cases = [
+        plain.tokens,
+        full.tokens,
+        [t[:1] for t in full.tokens],
+        [[11], plain.tokens[1], [12, 13]],
+        [plain.tokens[0], wrong[1], plain.tokens[2]],  # one row to decode: in a gathered copy
+        wrong,
+    ]  # every row to decode: in place
     for forced in forced_cases:
         before = [np.asarray(x) for x in jax.tree.leaves(kv.mark(work))]
         got, work = answering.answer_forced(params, cfg, work, suffixes, forced, 12, stops)

@@ -21,8 +21,7 @@ import pytest
 
 from kvzip_jax import cli
 from kvzip_jax.errors import EmptyInputError
-from kvzip_jax.eval import results
-from kvzip_jax.eval import shares
+from kvzip_jax.eval import results, shares
 from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, SweepMismatchError, record_key
 from kvzip_jax.weights import registry
 from tests.conftest import simulated_devices_flags, tokenizer_folder
@@ -52,9 +51,12 @@ def write_tasks(path) -> None:
     rng = np.random.default_rng(0)
     with open(path, "w") as f:
         for i, n in enumerate((40, 46, 43, 49)):
-            record = {"context": " ".join(rng.choice(words, n)) + f". The code is {1000 + i}.",
-                      "queries": ["What is the code?", "Which word comes first?"][: 1 + i % 2],
-                      "answers": [["100"], ["alpha"]][: 1 + i % 2], "max_new_tokens": 4}
+            record = {
+                "context": " ".join(rng.choice(words, n)) + f". The code is {1000 + i}.",
+                "queries": ["What is the code?", "Which word comes first?"][: 1 + i % 2],
+                "answers": [["100"], ["alpha"]][: 1 + i % 2],
+                "max_new_tokens": 4,
+            }
             f.write(json.dumps(record) + "\n")
 
 
@@ -65,15 +67,23 @@ class Sweeps:
         self.root, self.tokenizer, self.tasks = root, tokenizer, root / "toy.jsonl"
         write_tasks(self.tasks)
         clean = {k: v for k, v in os.environ.items() if not k.startswith("KVZIP_PROCESS_")}
-        self.env = {**clean, "JAX_PLATFORMS": "cpu",
-                    "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(root / "compiled"),
-                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+        self.env = {
+            **clean,
+            "JAX_PLATFORMS": "cpu",
+            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(root / "compiled"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+        }
 
     def start(self, out: str, *flags: str, devices: int = 2) -> subprocess.Popen:
         argv = ["eval", "--model", "tiny", "--jsonl", str(self.tasks), *SWEEP, "--out", str(self.root / out), *flags]
         env = {**self.env, "XLA_FLAGS": simulated_devices_flags(devices)}
-        return subprocess.Popen([sys.executable, "-c", WORKER, self.tokenizer, *argv], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-c", WORKER, self.tokenizer, *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def finish(process: subprocess.Popen) -> str:
@@ -133,13 +143,14 @@ def test_two_processes_merged_give_the_one_process_summary(sweeps, capsys):
     merged, alone = by_key(two / "results.jsonl"), by_key(one / "results.jsonl")
     assert set(merged) == set(alone) == set(shares[0]) | set(shares[1])
     for key, record in alone.items():
-        assert {k: merged[key][k] for k in ("prediction", "kl", "flip", "config")} == \
-               {k: record[k] for k in ("prediction", "kl", "flip", "config")}, key
+        assert {k: merged[key][k] for k in ("prediction", "kl", "flip", "config")} == {
+            k: record[k] for k in ("prediction", "kl", "flip", "config")
+        }, key
 
 
 def test_a_killed_share_resumes_without_losing_or_repeating_answers(sweeps):
     runs, killed = sweeps
-    complete = killed[:killed.rfind(b"\n") + 1]
+    complete = killed[: killed.rfind(b"\n") + 1]
     final = (runs.root / "two" / "results.1-of-2.jsonl").read_bytes()
     assert final.startswith(complete)  # every answer written before the kill kept, in place
     written_then, written = complete.count(b"\n"), final.count(b"\n")
@@ -155,8 +166,19 @@ def test_a_replica_over_two_distributed_processes_answers_as_one_process(sweeps)
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    processes = [runs.start("dist", "--distributed", "--coordinator", f"localhost:{port}", "--num-processes", "2",
-                             "--process-id", str(i)) for i in range(2)]
+    processes = [
+        runs.start(
+            "dist",
+            "--distributed",
+            "--coordinator",
+            f"localhost:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+        )
+        for i in range(2)
+    ]
     outputs = []
     for process in processes:
         try:
@@ -168,8 +190,13 @@ def test_a_replica_over_two_distributed_processes_answers_as_one_process(sweeps)
         assert process.returncode == 0, output[-3000:]
     finish(runs.start("four", devices=4))  # after them: a third process could delay one past gloo's 30 s timeout
     dist = runs.root / "dist"
-    assert sorted(p.name for p in dist.iterdir()) == ["results.jsonl", "results.jsonl.settings.json", "scores.png",
-                                                      "summary.csv", "summary.md"]
+    assert sorted(p.name for p in dist.iterdir()) == [
+        "results.jsonl",
+        "results.jsonl.settings.json",
+        "scores.png",
+        "summary.csv",
+        "summary.md",
+    ]
     replica, alone = by_key(dist / "results.jsonl"), by_key(runs.root / "four" / "results.jsonl")
     assert set(replica) == set(alone)
     for key, record in alone.items():
@@ -179,10 +206,28 @@ def test_a_replica_over_two_distributed_processes_answers_as_one_process(sweeps)
 
 def _records(settings: dict, examples=("toy-0", "toy-1"), example_hash="h") -> list[dict]:
     """Full-cache records of a sweep of these settings, one per example."""
-    return [dict(config=results.fingerprint(settings), example_hash=example_hash, model="tiny", task="toy",
-                 example=example, question=0, method="full", mode="full", ratio=1.0, prediction="100",
-                 references=["100"], metric="contains", score=1.0, agree=True, kl=0.0, flip=0.0, seconds=0.1)
-            for example in examples]
+    return [
+        dict(
+            config=results.fingerprint(settings),
+            example_hash=example_hash,
+            model="tiny",
+            task="toy",
+            example=example,
+            question=0,
+            method="full",
+            mode="full",
+            ratio=1.0,
+            prediction="100",
+            references=["100"],
+            metric="contains",
+            score=1.0,
+            agree=True,
+            kl=0.0,
+            flip=0.0,
+            seconds=0.1,
+        )
+        for example in examples
+    ]
 
 
 def test_the_merge_refuses_results_of_other_settings(tmp_path, capsys):
@@ -195,8 +240,11 @@ def test_the_merge_refuses_results_of_other_settings(tmp_path, capsys):
     newer = {**settings, "version": RESULTS_VERSION + 1}
     ResultsFile(tmp_path / "mixed" / results.results_name(0, 2), settings).append(_records(settings))
     ResultsFile(tmp_path / "mixed" / results.results_name(1, 2), newer).append(_records(newer))
-    with pytest.raises(SweepMismatchError, match=r"results\.1-of-2\.jsonl holds the results of other sweep settings"
-                                                 r".*version"):
+    with pytest.raises(
+        SweepMismatchError,
+        match=r"results\.1-of-2\.jsonl holds the results of other sweep settings"
+        r".*version",
+    ):
         results.merge(tmp_path / "mixed")
     assert cli.main(["eval", "--merge", "--out", str(tmp_path / "mixed")]) == cli.EXIT_USER_ERROR
     assert "other sweep settings" in capsys.readouterr().err
@@ -216,14 +264,22 @@ def test_the_process_share_comes_from_the_flags_then_the_environment(monkeypatch
     assert shares.process_share(environ={"KVZIP_PROCESS_INDEX": "2", "KVZIP_PROCESS_COUNT": "4"}) == (2, 4)
     assert shares.process_share(environ={}) == (0, 1)  # jax.distributed not initialised: one process
     assert shares.share_of(list(range(7)), 1, 3) == [1, 4]
-    for index, count, environ in [(2, 2, {}), (-1, 2, {}), (1, None, {}), (None, None, {"KVZIP_PROCESS_INDEX": "1"}),
-                                  (None, None, {"KVZIP_PROCESS_INDEX": "a", "KVZIP_PROCESS_COUNT": "2"})]:
+    for index, count, environ in [
+        (2, 2, {}),
+        (-1, 2, {}),
+        (1, None, {}),
+        (None, None, {"KVZIP_PROCESS_INDEX": "1"}),
+        (None, None, {"KVZIP_PROCESS_INDEX": "a", "KVZIP_PROCESS_COUNT": "2"}),
+    ]:
         with pytest.raises(shares.ProcessShareError):
             shares.process_share(index, count, environ)
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
-    for flags, fragment in [(["--process-index", "2", "--process-count", "2"], "not in [0, 2)"),
-                            (["--distributed", "--process-count", "2"], "no --process-index"),
-                            (["--coordinator", "localhost:1234"], "go together"), ([], "--model is required")]:
+    for flags, fragment in [
+        (["--process-index", "2", "--process-count", "2"], "not in [0, 2)"),
+        (["--distributed", "--process-count", "2"], "no --process-index"),
+        (["--coordinator", "localhost:1234"], "go together"),
+        ([], "--model is required"),
+    ]:
         with pytest.raises(SystemExit) as exit_info:
             cli.main(["eval", *([] if not flags else ["--model", "tiny"]), "--tasks", "passkey", *flags])
         assert exit_info.value.code == cli.EXIT_USER_ERROR
@@ -233,9 +289,11 @@ def test_the_process_share_comes_from_the_flags_then_the_environment(monkeypatch
 def test_importing_kvzip_jax_starts_no_backend():
     """--distributed must call jax.distributed.initialize before the XLA backend starts: no module computes at
     import (the CPU device count can still be changed afterwards, which jax refuses once a backend is up)."""
-    code = ("import kvzip_jax, kvzip_jax.cli, kvzip_jax.eval.sweep, kvzip_jax.demo, jax\n"
-            "jax.config.update('jax_num_cpu_devices', 3)\n"
-            "assert jax.device_count() == 3, jax.devices()\n")
+    code = (
+        "import kvzip_jax, kvzip_jax.cli, kvzip_jax.eval.sweep, kvzip_jax.demo, jax\n"
+        "jax.config.update('jax_num_cpu_devices', 3)\n"
+        "assert jax.device_count() == 3, jax.devices()\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -12,9 +12,23 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def rec(task, example, question, method, mode, ratio, score, agree=True, kl=0.0, flip=0.0):
-    return {"model": "tiny", "task": task, "example": example, "question": question, "method": method, "mode": mode,
-            "ratio": ratio, "prediction": "p", "references": ["r"], "metric": "inclusion", "score": score,
-            "agree": agree, "kl": kl, "flip": flip, "seconds": 0.1}
+    return {
+        "model": "tiny",
+        "task": task,
+        "example": example,
+        "question": question,
+        "method": method,
+        "mode": mode,
+        "ratio": ratio,
+        "prediction": "p",
+        "references": ["r"],
+        "metric": "inclusion",
+        "score": score,
+        "agree": agree,
+        "kl": kl,
+        "flip": flip,
+        "seconds": 0.1,
+    }
 
 
 def full(task, example, question, score):
@@ -27,9 +41,12 @@ QUESTIONS = [("e0", 0), ("e0", 1), ("e1", 0), ("e1", 1)]
 @pytest.fixture
 def records():
     rs = [full("squad", e, q, s) for (e, q), s in zip(QUESTIONS, [1.0, 1.0, 0.0, 1.0])]
-    rs += [rec("squad", e, q, "kvzip", "reuse", 0.5, s, agree=a, kl=k, flip=f)
-           for (e, q), s, a, k, f in zip(QUESTIONS, [1.0, 0.0, 0.0, 1.0], [True, False, True, True],
-                                         [0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.25, 0.25])]
+    rs += [
+        rec("squad", e, q, "kvzip", "reuse", 0.5, s, agree=a, kl=k, flip=f)
+        for (e, q), s, a, k, f in zip(
+            QUESTIONS, [1.0, 0.0, 0.0, 1.0], [True, False, True, True], [0.1, 0.2, 0.3, 0.4], [0.0, 0.5, 0.25, 0.25]
+        )
+    ]
     # an interrupted sweep: only the first example at ratio 0.3 (ratio written as 0.1 * 3)
     rs += [rec("squad", "e0", q, "kvzip", "reuse", 0.1 * 3, s, agree=False) for q, s in [(0, 1.0), (1, 0.0)]]
     rs += [rec("squad", e, q, "snapkv", "first", 0.5, 0.5) for e, q in QUESTIONS]
@@ -45,9 +62,13 @@ def test_summarize_by_hand(records):
     rows = statistics.summarize(records)
     assert [tuple(r) for r in rows] == [statistics.COLUMNS] * len(rows)
     assert [(r["task"], r["method"], r["mode"], r["ratio"]) for r in rows] == [
-        ("niah", "full", "full", 1.0), ("niah", "kvzip", "oracle", 0.5),
-        ("squad", "full", "full", 1.0), ("squad", "kvzip", "reuse", 0.5), ("squad", "kvzip", "reuse", 0.3),
-        ("squad", "snapkv", "first", 0.5)]
+        ("niah", "full", "full", 1.0),
+        ("niah", "kvzip", "oracle", 0.5),
+        ("squad", "full", "full", 1.0),
+        ("squad", "kvzip", "reuse", 0.5),
+        ("squad", "kvzip", "reuse", 0.3),
+        ("squad", "snapkv", "first", 0.5),
+    ]
     rows = by_key(rows)
     f = rows["squad", "full", "full", 1.0]
     assert (f["n"], f["score"], f["normalised"], f["agree"], f["kl"], f["flip"]) == (4, 0.75, 100.0, 100.0, 0.0, 0.0)
@@ -156,7 +177,10 @@ def test_plot_writes_png(tmp_path, records):
 def test_write_report(tmp_path, records):
     paths = report.write_report(write_jsonl(tmp_path / "sweep.jsonl", records), tmp_path / "out")
     assert {k: p.name for k, p in paths.items()} == {
-        "markdown": "summary.md", "csv": "summary.csv", "plot": "scores.png"}
+        "markdown": "summary.md",
+        "csv": "summary.csv",
+        "plot": "scores.png",
+    }
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scores.png", "summary.csv", "summary.md"]
     md = paths["markdown"].read_text()
     assert md.count("| task | method | mode |") == 3

@@ -16,9 +16,28 @@ SETTINGS = dict(version=RESULTS_VERSION, model="tiny", instruction=None, chunk_s
 def answers(examples=("toy-0", "toy-1", "toy-2"), settings=SETTINGS, method="full", ratio=1.0) -> list[dict]:
     """One record per example, of these settings."""
     mode = "full" if method == "full" else "reuse"
-    return [dict(config=results.fingerprint(settings), example_hash=f"h-{e}", model="tiny", task="toy", example=e,
-                 question=0, method=method, mode=mode, ratio=ratio, prediction="100", references=["100"],
-                 metric="contains", score=1.0, agree=True, kl=0.0, flip=0.0, seconds=0.1) for e in examples]
+    return [
+        dict(
+            config=results.fingerprint(settings),
+            example_hash=f"h-{e}",
+            model="tiny",
+            task="toy",
+            example=e,
+            question=0,
+            method=method,
+            mode=mode,
+            ratio=ratio,
+            prediction="100",
+            references=["100"],
+            metric="contains",
+            score=1.0,
+            agree=True,
+            kl=0.0,
+            flip=0.0,
+            seconds=0.1,
+        )
+        for e in examples
+    ]
 
 
 def lines(data: bytes) -> list[dict]:
@@ -99,7 +118,7 @@ def test_a_partial_last_line_is_cut_off_plain_or_beside_a_gz(tmp_path):
         assert ResultsFile(path, SETTINGS, write=False).done == {record_key(r) for r in answers()}
         assert path.read_bytes() == with_cut
         resumed = ResultsFile(path, SETTINGS)  # a writer cuts it off
-        assert path.read_bytes() == with_cut[:-len(cut)] and resumed.done == {record_key(r) for r in answers()}
+        assert path.read_bytes() == with_cut[: -len(cut)] and resumed.done == {record_key(r) for r in answers()}
         extra = answers(method="kvzip", ratio=0.5)
         resumed.append(extra)
         assert report.read_records(path) == answers() + extra
@@ -139,8 +158,10 @@ def test_compressed_shares_merge_as_plain_ones(tmp_path):
             ResultsFile(share, SETTINGS).append(answers(examples))
             if form == "gz" or (form == "mixed" and i == 1):
                 results.compress(share)
-    assert results.results_files(folders["gz"]) == [folders["gz"] / "results.0-of-2.jsonl",
-                                                    folders["gz"] / "results.1-of-2.jsonl"]
+    assert results.results_files(folders["gz"]) == [
+        folders["gz"] / "results.0-of-2.jsonl",
+        folders["gz"] / "results.1-of-2.jsonl",
+    ]
     merged = {form: results.merge(folder) for form, folder in folders.items()}
     for form, path in merged.items():
         assert path == folders[form] / "results.jsonl"

@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from kvzip_jax.config import ModelConfig, RopeSpec
-from kvzip_jax.eval import report
-from kvzip_jax.eval import batches, runner
+from kvzip_jax.eval import batches, report, runner
 from kvzip_jax.eval import sweep as sw
 from kvzip_jax.eval.results import ResultsFile, record_key
 from kvzip_jax.eval.tasks.base import Example
@@ -28,9 +27,20 @@ CONFIG = sw.SweepConfig(methods=METHODS, ratios=(1.0, 0.5, 0.2), modes=("reuse",
 
 
 def tiny_model(tokenizer) -> LoadedModel:
-    cfg = ModelConfig(architecture="llama", vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6, max_position=2048,
-                      rope=RopeSpec(theta=10000.0), tie_embeddings=True)
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        max_position=2048,
+        rope=RopeSpec(theta=10000.0),
+        tie_embeddings=True,
+    )
     params = init_params(cfg, seed=0, scale=0.3)  # large weights: peaky logits, no near-ties between tokens
     return LoadedModel("tiny", cfg, params, tokenizer)
 
@@ -41,8 +51,16 @@ def examples() -> list[Example]:
     out = []
     for i, n in enumerate((60, 90, 75)):
         context = " ".join(rng.choice(words, n)) + f". The code is {1000 + i}."
-        out.append(Example("toy", f"toy-{i}", context, ("What is the code?", "Which word comes first?")[: 1 + i % 2],
-                           (("100",), ("alpha",))[: 1 + i % 2], max_new_tokens=6))
+        out.append(
+            Example(
+                "toy",
+                f"toy-{i}",
+                context,
+                ("What is the code?", "Which word comes first?")[: 1 + i % 2],
+                (("100",), ("alpha",))[: 1 + i % 2],
+                max_new_tokens=6,
+            )
+        )
     return out
 
 
@@ -95,8 +113,9 @@ def test_every_answer_is_recorded_once_with_its_metrics(batched):
 
 def test_compression_moves_distributions_more_the_less_it_keeps(batched):
     """Every method's mean next-token KL grows as the ratio falls (0 at 1.0), and at 0.2 answers change."""
-    mean_kl = lambda method, ratio: np.mean([r["kl"] for r in batched.values()
-                                             if r["method"] == method and r["ratio"] == ratio])
+    mean_kl = lambda method, ratio: np.mean(
+        [r["kl"] for r in batched.values() if r["method"] == method and r["ratio"] == ratio]
+    )
     for method in METHODS:
         assert mean_kl(method, 1.0) == 0.0 < mean_kl(method, 0.5) < mean_kl(method, 0.2), method
     rate = lambda field, ratio: np.mean([r[field] for r in batched.values() if r["ratio"] == ratio])
@@ -146,8 +165,10 @@ def test_another_configuration_is_never_merged_into_a_results_file(model, batche
     other = LoadedModel(model.name, model.cfg, jax.tree.map(lambda x: x * 1.01, model.params), model.tokenizer)
     with pytest.raises(SweepMismatchError, match="model_params"):
         sw.run_sweep(other, examples(), config, path, progress=False)
-    changed = [dataclasses.replace(ex, context=ex.context + " One more line.") if i == 1 else ex
-               for i, ex in enumerate(examples())]
+    changed = [
+        dataclasses.replace(ex, context=ex.context + " One more line.") if i == 1 else ex
+        for i, ex in enumerate(examples())
+    ]
     with pytest.raises(SweepMismatchError, match="toy/toy-1"):
         sw.run_sweep(model, changed, config, path, progress=False)
     assert path.read_bytes() == before  # nothing written by a refused run
@@ -179,8 +200,7 @@ class Killed(Exception):
     pass
 
 
-def test_a_killed_sweep_resumes_without_redoing_or_losing_answers(model, batched, batched_path, tmp_path,
-                                                                   monkeypatch):
+def test_a_killed_sweep_resumes_without_redoing_or_losing_answers(model, batched, batched_path, tmp_path, monkeypatch):
     path = tmp_path / "results.jsonl"
     appended = []
     real_append = ResultsFile.append
@@ -205,7 +225,7 @@ def test_a_killed_sweep_resumes_without_redoing_or_losing_answers(model, batched
     sw.run_sweep(model, examples(), CONFIG, path, progress=False)
     resumed = _by_key(path)  # asserts no key twice
     assert set(resumed) == set(batched)
-    assert [json.loads(line) for line in open(path).read().splitlines()[:len(first_part)]] == first_part
+    assert [json.loads(line) for line in open(path).read().splitlines()[: len(first_part)]] == first_part
     for key, r in resumed.items():
         assert r["prediction"] == batched[key]["prediction"]
         assert r["versions"]["jax"] == jax.__version__ and r["config"] == batched[key]["config"]
@@ -222,6 +242,7 @@ def _counting(fn, calls):
     def wrapped(*args, **kwargs):
         calls.append(1)
         return fn(*args, **kwargs)
+
     return wrapped
 
 
@@ -282,8 +303,11 @@ def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
     live = {id(x) for x in jax.live_arrays()}
     sw.run_sweep(model, longer + second, config, tmp_path / "both.jsonl", progress=False)
     assert [x.shape for x in jax.live_arrays() if id(x) not in live] == []
-    assert (gen.forward_step._cache_size(), gen._decode_loop._cache_size(),
-            runner._kvzip_scores._cache_size()) == one_task
+    assert (
+        gen.forward_step._cache_size(),
+        gen._decode_loop._cache_size(),
+        runner._kvzip_scores._cache_size(),
+    ) == one_task
 
 
 def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
@@ -294,8 +318,13 @@ def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
     got = _by_key(path)
-    want = {(ex.task, ex.id, m, "reuse", r, i, 16) for ex in examples() for i in range(len(ex.questions))
-            for m in methods for r in config.ratios}
+    want = {
+        (ex.task, ex.id, m, "reuse", r, i, 16)
+        for ex in examples()
+        for i in range(len(ex.questions))
+        for m in methods
+        for r in config.ratios
+    }
     assert set(got) - {k for k in got if k[2] == "full"} == want
     for method in methods:
         at = lambda ratio: [r for r in got.values() if r["method"] == method and r["ratio"] == ratio]
@@ -351,8 +380,9 @@ def test_a_profile_method_needs_the_models_searched_budgets(model, tmp_path, mon
     assert not path.exists()
     L, K = model.cfg.num_layers, model.cfg.num_kv_heads
     budgets.PROFILE_DIR.mkdir()
-    (budgets.PROFILE_DIR / "tiny.json").write_text(json.dumps({"profile": [[1.0 + (i + k) % 3 for k in range(K)]
-                                                                           for i in range(L)]}))
+    (budgets.PROFILE_DIR / "tiny.json").write_text(
+        json.dumps({"profile": [[1.0 + (i + k) % 3 for k in range(K)] for i in range(L)]})
+    )
     sw.run_sweep(model, examples(), config, path, progress=False)
     got = [r for r in _by_key(path).values() if r["method"] == "am-hak-pb"]
     assert len(got) == sum(len(ex.questions) for ex in examples())
@@ -364,8 +394,13 @@ def test_fitted_latents_are_refused_before_any_work_on_a_model_without_a_latent_
 
     path = tmp_path / "results.jsonl"
     with pytest.raises(matching.LatentValuesError, match="this model has no latent cache"):
-        sw.run_sweep(model, examples(), sw.SweepConfig(methods=("kvzip", "am-hak-fl"), ratios=(0.2,), batch_size=3),
-                     path, progress=False)
+        sw.run_sweep(
+            model,
+            examples(),
+            sw.SweepConfig(methods=("kvzip", "am-hak-fl"), ratios=(0.2,), batch_size=3),
+            path,
+            progress=False,
+        )
     assert not path.exists()
 
 
@@ -374,8 +409,9 @@ def test_kv_bits_quantize_every_cache_and_the_report_plots_score_against_bytes(m
     records carry the bytes of each context's kept pairs, int4 at exactly the format's share; ratio 1 in int4 answers
     as the full cache in int4; a grid grown by int8 resumes with only the new answers; the report has a bytes table
     and a Pareto plot."""
-    config = sw.SweepConfig(methods=("kvzip",), ratios=(1.0, 0.5), batch_size=3, kv_bits=(16, 4), kv_group=8,
-                            kv_center=False)  # bytes at exactly the format's share: no key centres
+    config = sw.SweepConfig(
+        methods=("kvzip",), ratios=(1.0, 0.5), batch_size=3, kv_bits=(16, 4), kv_group=8, kv_center=False
+    )  # bytes at exactly the format's share: no key centres
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
     got = _by_key(path)

@@ -203,15 +203,30 @@ def write_lines(path, lines):
 
 def test_load_jsonl(tmp_path):
     records = [
-        {"context": "Paris is in France.", "queries": ["Where is Paris?", "Which country?"],
-         "answers": ["France", ["France", "FR"]]},
-        {"context": "VAR A = 1.", "questions": ["Who is 1?"], "answers": [["A"]], "id": "vt-7", "task": "vt",
-         "metric": "all", "max_new_tokens": 8},
+        {
+            "context": "Paris is in France.",
+            "queries": ["Where is Paris?", "Which country?"],
+            "answers": ["France", ["France", "FR"]],
+        },
+        {
+            "context": "VAR A = 1.",
+            "questions": ["Who is 1?"],
+            "answers": [["A"]],
+            "id": "vt-7",
+            "task": "vt",
+            "metric": "all",
+            "max_new_tokens": 8,
+        },
     ]
     path = write_lines(tmp_path / "mixed.jsonl", [json.dumps(records[0]), "", "   ", json.dumps(records[1])])
     first, second = load_jsonl(path)
-    assert first == Example("mixed", "mixed-0", "Paris is in France.", ("Where is Paris?", "Which country?"),
-                            (("France",), ("France", "FR")))
+    assert first == Example(
+        "mixed",
+        "mixed-0",
+        "Paris is in France.",
+        ("Where is Paris?", "Which country?"),
+        (("France",), ("France", "FR")),
+    )
     assert second == Example("vt", "vt-7", "VAR A = 1.", ("Who is 1?",), (("A",),), "all", 8)
     assert [e.id for e in load_jsonl(str(path), task="kv")] == ["kv-0", "vt-7"]
     assert load_jsonl(path, task="kv")[0].task == "kv"
@@ -220,21 +235,24 @@ def test_load_jsonl(tmp_path):
 GOOD = {"context": "c", "queries": ["q"], "answers": ["a"]}
 
 
-@pytest.mark.parametrize("line, message", [
-    ("{not json", "Expecting"),
-    ("[1, 2]", "JSON object"),
-    (json.dumps({"queries": ["q"], "answers": ["a"]}), "context"),
-    (json.dumps({**GOOD, "context": ""}), "context"),
-    (json.dumps({"context": "c", "answers": ["a"]}), "queries"),
-    (json.dumps({**GOOD, "queries": []}), "queries"),
-    (json.dumps({**GOOD, "questions": ["q"]}), "exactly one"),
-    (json.dumps({**GOOD, "answers": ["a", "b"]}), "answers"),
-    (json.dumps({**GOOD, "answers": [[]]}), "answers"),
-    (json.dumps({**GOOD, "answers": [3]}), "answers"),
-    (json.dumps({**GOOD, "metric": "bleu"}), "metric"),
-    (json.dumps({**GOOD, "max_new_tokens": 0}), "max_new_tokens"),
-    (json.dumps({**GOOD, "id": 5}), "id"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("{not json", "Expecting"),
+        ("[1, 2]", "JSON object"),
+        (json.dumps({"queries": ["q"], "answers": ["a"]}), "context"),
+        (json.dumps({**GOOD, "context": ""}), "context"),
+        (json.dumps({"context": "c", "answers": ["a"]}), "queries"),
+        (json.dumps({**GOOD, "queries": []}), "queries"),
+        (json.dumps({**GOOD, "questions": ["q"]}), "exactly one"),
+        (json.dumps({**GOOD, "answers": ["a", "b"]}), "answers"),
+        (json.dumps({**GOOD, "answers": [[]]}), "answers"),
+        (json.dumps({**GOOD, "answers": [3]}), "answers"),
+        (json.dumps({**GOOD, "metric": "bleu"}), "metric"),
+        (json.dumps({**GOOD, "max_new_tokens": 0}), "max_new_tokens"),
+        (json.dumps({**GOOD, "id": 5}), "id"),
+    ],
+)
 def test_load_jsonl_rejects_a_bad_record_naming_file_and_line(tmp_path, line, message):
     path = write_lines(tmp_path / "bad.jsonl", [json.dumps(GOOD), "", line])
     with pytest.raises(TaskFileError, match=rf"bad\.jsonl:3: .*{message}"):

@@ -51,9 +51,19 @@ def test_head_scores_are_the_max_over_the_context_of_the_oracle_pair_scores(num_
 
 def test_head_scores_of_a_text_use_its_first_tokens_as_a_context():
     tok = bundled_tokenizer(registry.SMOLLM2)
-    cfg = ModelConfig(architecture="llama", vocab_size=len(tok), hidden_size=32, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6, max_position=1024,
-                      rope=RopeSpec(1000.0))
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        rope=RopeSpec(1000.0),
+    )
     params = init_params(cfg, seed=3, scale=0.15)
     text = head_level.sample_text()
     assert text == head_level.sample_text() and len(text) > 20_000  # deterministic, long
@@ -61,16 +71,32 @@ def test_head_scores_of_a_text_use_its_first_tokens_as_a_context():
     assert len(tokens) == prefix_len + 40
     heads = head_level.head_scores(params, cfg, tok, text, max_tokens=40, chunk_size=16)
     reread = kvzip.reread_inputs(tok, [prefix_len], [tokens[prefix_len:]], 16)
-    rereads = [np.asarray(reread.tokens[t, 0, :int(reread.num_valid[t, 0])]) for t in range(reread.tokens.shape[0])]
+    rereads = [np.asarray(reread.tokens[t, 0, : int(reread.num_valid[t, 0])]) for t in range(reread.tokens.shape[0])]
     expected = oracle_scores(params, cfg, tokens[:prefix_len], tokens[prefix_len:], rereads, 16).max(axis=-1)
     np.testing.assert_allclose(heads, expected, atol=1e-5, rtol=0)
 
 
 def _gemma():
-    cfg = ModelConfig(architecture="gemma3", vocab_size=101, hidden_size=48, num_layers=3, num_heads=4,
-                      num_kv_heads=2, head_dim=16, intermediate_size=64, rms_norm_eps=1e-6, max_position=1024,
-                      rope=RopeSpec(10000.0), rope_sliding=RopeSpec(100.0), layer_types=("sliding", "full", "sliding"),
-                      sliding_window=8, qk_norm=True, sandwich_norms=True, activation="gelu_tanh", embed_scale=48**0.5)
+    cfg = ModelConfig(
+        architecture="gemma3",
+        vocab_size=101,
+        hidden_size=48,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        rope=RopeSpec(10000.0),
+        rope_sliding=RopeSpec(100.0),
+        layer_types=("sliding", "full", "sliding"),
+        sliding_window=8,
+        qk_norm=True,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        embed_scale=48**0.5,
+    )
     return cfg, init_params(cfg, seed=2, scale=0.15)
 
 
@@ -110,8 +136,7 @@ def test_dropped_heads_keep_the_sink_and_recent_windows_on_top_of_the_ratio():
     L, K, n, sink, recent = 4, 2, 30, 3, 5
     context_len = np.array([30, 12, 6])  # the last row's windows cover its whole context
     heads = RNG.random((L, K)).astype(np.float32)
-    keep = np.asarray(head_level.head_keep(heads, context_len, n, 0.5, sink=sink, recent=recent,
-                                           evictable=(1, 2, 3)))
+    keep = np.asarray(head_level.head_keep(heads, context_len, n, 0.5, sink=sink, recent=recent, evictable=(1, 2, 3)))
     winners = heads >= np.sort(heads[1:].ravel())[-3]  # floor(0.5 x 3 layers x 2 heads) = 3 whole heads
     offsets = np.arange(n)
     for b, c in enumerate(context_len):
@@ -153,8 +178,9 @@ def test_decoding_from_a_head_level_cache_is_finite_and_ragged_equals_masked(rat
     _, cache = gen.prefill(params, cfg, [SEQUENCE], capacity=64)
     masked = kv.mask_context(cache, keep, jnp.array([PREFIX]), jnp.array([CONTEXT]))
     kept = np.asarray(kv.kept_per_head(masked))[:, 0]  # [L, K]
-    assert sorted(kept.ravel().tolist()) == sorted([PREFIX + CONTEXT] * int(ratio * 4)
-                                                   + [PREFIX + min(sink + recent, CONTEXT)] * (4 - int(ratio * 4)))
+    assert sorted(kept.ravel().tolist()) == sorted(
+        [PREFIX + CONTEXT] * int(ratio * 4) + [PREFIX + min(sink + recent, CONTEXT)] * (4 - int(ratio * 4))
+    )
     ragged = kv.pack(masked, 16)
     logits_m, masked = gen.prefill(params, cfg, [QUESTION], jax.tree.map(jnp.array, masked))
     logits_r, ragged = gen.prefill(params, cfg, [QUESTION], ragged)

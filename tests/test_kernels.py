@@ -180,7 +180,16 @@ def test_ragged_decode_matches_reference(groups, num_tokens, num_splits, with_bi
     offsets, lengths = jnp.asarray(OFFSETS), jnp.asarray(LENGTHS)
     scale = head_dim**-0.5
     out, lse = ragged_decode(
-        q, k, v, offsets, lengths, bias, scale=scale, num_tokens=num_tokens, impl="pallas", block_k=BLOCK,
+        q,
+        k,
+        v,
+        offsets,
+        lengths,
+        bias,
+        scale=scale,
+        num_tokens=num_tokens,
+        impl="pallas",
+        block_k=BLOCK,
         num_splits=num_splits,
     )
     want_out, want_lse = ragged_decode_reference(q, k, v, offsets, lengths, bias, scale=scale, num_tokens=num_tokens)
@@ -205,8 +214,14 @@ def test_ragged_decode_bfloat16_inputs():
     )
     # The oracle on the same bf16 values upcast: only the float32 accumulation order differs (module docstring).
     want_out, want_lse = ragged_decode_reference(
-        q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), OFFSETS, LENGTHS, bias,
-        scale=0.25, num_tokens=3,
+        q.astype(jnp.float32),
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        OFFSETS,
+        LENGTHS,
+        bias,
+        scale=0.25,
+        num_tokens=3,
     )
     chex.assert_type([out, lse], jnp.float32)
     _assert_finite(out, lse)
@@ -407,7 +422,12 @@ def test_triton_lowering_on_cpu(dtype):
     per_head = spec((2, 3), jnp.int32)  # offsets, lengths
     for head_dim, rows, num_tokens, bias in [(64, 9, 3, None), (128, 21, 3, spec((2, 777), jnp.float32))]:
         decode = functools.partial(
-            _ragged_decode_pallas, scale=0.125, num_tokens=num_tokens, block_k=64, num_splits=4, interpret=False,
+            _ragged_decode_pallas,
+            scale=0.125,
+            num_tokens=num_tokens,
+            block_k=64,
+            num_splits=4,
+            interpret=False,
             parts=None,
         )
         store = (spec((2, 777, head_dim)),)
@@ -432,6 +452,7 @@ def test_the_float32_tolerance_would_notice_tf32_dots():
     q = _query(rng, 3, 32)
     offsets, lengths = jnp.asarray(OFFSETS), jnp.asarray(LENGTHS)
     exact, _ = ragged_decode_reference(q, k, v, offsets, lengths, scale=32**-0.5)
-    rounded, _ = ragged_decode_reference(jnp.asarray(_tf32(q)), jnp.asarray(_tf32(k)), jnp.asarray(_tf32(v)), offsets,
-                                         lengths, scale=32**-0.5)
+    rounded, _ = ragged_decode_reference(
+        jnp.asarray(_tf32(q)), jnp.asarray(_tf32(k)), jnp.asarray(_tf32(v)), offsets, lengths, scale=32**-0.5
+    )
     assert np.abs(np.asarray(rounded) - np.asarray(exact)).max() > 10 * TOL["atol"]

@@ -16,8 +16,19 @@ from kvzip_jax.kvzip import RereadInputs, keep_mask, score
 from kvzip_jax.models.params import init_params
 
 PREFIX, CONTEXT = 4, 44
-CFG = ModelConfig(architecture="llama", vocab_size=101, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
-                  head_dim=16, intermediate_size=64, rms_norm_eps=1e-6, max_position=1024, rope=RopeSpec(1000.0))
+CFG = ModelConfig(
+    architecture="llama",
+    vocab_size=101,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+    rms_norm_eps=1e-6,
+    max_position=1024,
+    rope=RopeSpec(1000.0),
+)
 PARAMS = init_params(CFG, seed=1, scale=0.15)
 RNG = np.random.default_rng(0)
 SEQUENCE = RNG.integers(0, CFG.vocab_size, PREFIX + CONTEXT).astype(np.int32)
@@ -31,10 +42,12 @@ def _with(cfg, impl):
 def _caches(cfg, params, ratio=0.3, seed=1, level="pair"):
     """(dense, masked, ragged) caches of the context, compressed with random scores at `level`."""
     _, dense = gen.prefill(params, cfg, [SEQUENCE], capacity=64)
-    scores = jnp.asarray(np.random.default_rng(seed).random((cfg.num_layers, 1, cfg.num_kv_heads, CONTEXT)),
-                         jnp.float32)
-    masked = kv.mask_context(dense, keep_mask(scores, jnp.array([CONTEXT]), ratio, level), jnp.array([PREFIX]),
-                             jnp.array([CONTEXT]))
+    scores = jnp.asarray(
+        np.random.default_rng(seed).random((cfg.num_layers, 1, cfg.num_kv_heads, CONTEXT)), jnp.float32
+    )
+    masked = kv.mask_context(
+        dense, keep_mask(scores, jnp.array([CONTEXT]), ratio, level), jnp.array([PREFIX]), jnp.array([CONTEXT])
+    )
     return dense, masked, kv.pack(masked, room=16)
 
 
@@ -68,17 +81,21 @@ def test_pallas_decode_in_bfloat16_follows_xla():
 @pytest.mark.parametrize("chunk", [CONTEXT, 16])  # one chunk (the forward's normaliser), three chunks (a subset)
 @pytest.mark.parametrize("variant", ["softmax", "logits"])
 def test_pallas_score_reduction_equals_xla(chunk, variant):
-    chunks = [SEQUENCE[PREFIX + i:PREFIX + i + chunk] for i in range(0, CONTEXT, chunk)]
+    chunks = [SEQUENCE[PREFIX + i : PREFIX + i + chunk] for i in range(0, CONTEXT, chunk)]
     rereads = [np.concatenate([[7, 8, 9], c]) for c in chunks]
     width = max(map(len, rereads))
     tokens = np.zeros((len(chunks), 1, width), np.int32)
     for t, r in enumerate(rereads):
-        tokens[t, 0, :len(r)] = r
+        tokens[t, 0, : len(r)] = r
     reread = RereadInputs(
-        tokens=jnp.asarray(tokens), num_valid=jnp.asarray([[len(r)] for r in rereads], jnp.int32),
+        tokens=jnp.asarray(tokens),
+        num_valid=jnp.asarray([[len(r)] for r in rereads], jnp.int32),
         chunk_start=jnp.asarray(PREFIX + chunk * np.arange(len(chunks))[:, None], jnp.int32),
-        chunk_len=jnp.asarray([[len(c)] for c in chunks], jnp.int32), prefix_len=jnp.asarray([PREFIX], jnp.int32),
-        context_len=jnp.asarray([CONTEXT], jnp.int32), chunk_size=chunk)
+        chunk_len=jnp.asarray([[len(c)] for c in chunks], jnp.int32),
+        prefix_len=jnp.asarray([PREFIX], jnp.int32),
+        context_len=jnp.asarray([CONTEXT], jnp.int32),
+        chunk_size=chunk,
+    )
     scores = []
     for impl in ("xla", "pallas"):
         cfg = _with(CFG, impl)
@@ -89,10 +106,23 @@ def test_pallas_score_reduction_equals_xla(chunk, variant):
 
 def test_layers_the_kernels_do_not_cover_fall_back():
     """Sliding-window layers and head dims that are not a power of two >= 16 take the XLA path."""
-    cfg = ModelConfig(architecture="gemma3", vocab_size=101, hidden_size=48, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=12, intermediate_size=64, rms_norm_eps=1e-6, max_position=1024,
-                      rope=RopeSpec(1000.0), layer_types=(SLIDING, FULL), sliding_window=8, sandwich_norms=True,
-                      activation="gelu_tanh")
+    cfg = ModelConfig(
+        architecture="gemma3",
+        vocab_size=101,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        rope=RopeSpec(1000.0),
+        layer_types=(SLIDING, FULL),
+        sliding_window=8,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+    )
     params = init_params(cfg, seed=2, scale=0.15)
     outs = []
     for impl in ("xla", "pallas"):

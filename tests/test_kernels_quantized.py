@@ -55,8 +55,9 @@ def test_quantized_ragged_decode_matches_its_oracle(bits, group, head_dim, num_t
     q = _query(rng, 3 * num_tokens, head_dim)
     bias = _bias(rng) if with_bias else None
     args = (q, k, v, jnp.asarray(OFFSETS), jnp.asarray(LENGTHS), bias)
-    out, lse = ragged_decode(*args, scale=head_dim**-0.5, num_tokens=num_tokens, impl="pallas", block_k=BLOCK,
-                             num_splits=num_splits)
+    out, lse = ragged_decode(
+        *args, scale=head_dim**-0.5, num_tokens=num_tokens, impl="pallas", block_k=BLOCK, num_splits=num_splits
+    )
     want_out, want_lse = ragged_decode_reference(*args, scale=head_dim**-0.5, num_tokens=num_tokens)
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
     np.testing.assert_allclose(out, want_out, **TOL)
@@ -91,8 +92,9 @@ def test_quantized_dense_decode_attention_matches_its_oracle(bits, masked):
     keep = jnp.asarray(rng.random((B, K, C)) < 0.6) if masked else None
     bias = jnp.asarray(rng.normal(size=(B, K, C)), jnp.float32)
     q = _query(rng, 6, H, batch=B, kv_heads=K)
-    out, lse = decode_attention(q, k, v, lengths, keep, bias, scale=0.2, num_tokens=2, impl="pallas", block_k=16,
-                                num_splits=2)
+    out, lse = decode_attention(
+        q, k, v, lengths, keep, bias, scale=0.2, num_tokens=2, impl="pallas", block_k=16, num_splits=2
+    )
     want_out, want_lse = decode_attention_reference(q, k, v, lengths, keep, bias, scale=0.2, num_tokens=2)
     np.testing.assert_allclose(out, want_out, **TOL)
     np.testing.assert_allclose(lse, want_lse, **TOL)
@@ -120,11 +122,25 @@ def test_quantized_kernel_lowers_to_triton(bits):
     float32 dots are all Triton-expressible."""
     for head_dim, group in [(64, 64), (128, 32), (64, 16), (128, 16)]:
         width, groups = head_dim if bits == 8 else head_dim // 2, head_dim // group
-        decode = functools.partial(_ragged_decode_pallas, scale=0.125, num_tokens=1, block_k=64, num_splits=4,
-                                   interpret=False, parts=parts_of(head_dim, groups, bits))
-        store = (jax.ShapeDtypeStruct((2, 777, width), jnp.uint8), jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16),
-                 jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16))
+        decode = functools.partial(
+            _ragged_decode_pallas,
+            scale=0.125,
+            num_tokens=1,
+            block_k=64,
+            num_splits=4,
+            interpret=False,
+            parts=parts_of(head_dim, groups, bits),
+        )
+        store = (
+            jax.ShapeDtypeStruct((2, 777, width), jnp.uint8),
+            jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16),
+        )
         per_head = jax.ShapeDtypeStruct((2, 3), jnp.int32)
-        text = jax.jit(decode).trace(jax.ShapeDtypeStruct((2, 3, 7, head_dim), jnp.bfloat16), store, store, per_head,
-                                     per_head, None).lower(lowering_platforms=("cuda",)).as_text()
+        text = (
+            jax.jit(decode)
+            .trace(jax.ShapeDtypeStruct((2, 3, 7, head_dim), jnp.bfloat16), store, store, per_head, per_head, None)
+            .lower(lowering_platforms=("cuda",))
+            .as_text()
+        )
         assert "xla.gpu.triton" in text

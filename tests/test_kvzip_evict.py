@@ -76,12 +76,17 @@ def test_kept_count_is_exact_in_integers_far_past_float32(units, candidates):
     assert int(jitted) == exact and jitted.dtype == jnp.int32
 
 
-@pytest.mark.parametrize("ratio, candidates, expected", [
-    (0.75, 400_001, 300_000),  # 300,000.75 pairs: the float product nudged up by 1e-6 gave 300,001
-    (0.9, 1_111_111, 999_999),
-    (0.7, 10, 7),  # float32(0.7) x 10 = 6.99999988: a plain float floor loses a pair
-    (0.3, 2**24 + 1, 5_033_165), (1 / 3, 3_000_000, 999_999),  # past 2^24; a ratio finer than 10^-6 is rounded
-    (1.0, 2**31 - 1, 2**31 - 1)])
+@pytest.mark.parametrize(
+    "ratio, candidates, expected",
+    [
+        (0.75, 400_001, 300_000),  # 300,000.75 pairs: the float product nudged up by 1e-6 gave 300,001
+        (0.9, 1_111_111, 999_999),
+        (0.7, 10, 7),  # float32(0.7) x 10 = 6.99999988: a plain float floor loses a pair
+        (0.3, 2**24 + 1, 5_033_165),
+        (1 / 3, 3_000_000, 999_999),  # past 2^24; a ratio finer than 10^-6 is rounded
+        (1.0, 2**31 - 1, 2**31 - 1),
+    ],
+)
 def test_kept_count_at_the_edges(ratio, candidates, expected):
     assert int(kept_count(ratio, candidates)) == expected
 

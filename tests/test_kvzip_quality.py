@@ -73,8 +73,9 @@ def test_int4_after_kvzip_0_3_keeps_exact_values_behind_random_keys(qwen):
     channels set the scale of every other channel of a 64-wide group."""
     tok, params, cfg = qwen.tokenizer, qwen.params, qwen.cfg
     (example,) = tasks.generate("kv_retrieval", 1, seed=0, context_tokens=160)  # about 575 tokens, 4 questions
-    context, suffixes = prompts.split_for_reuse(tok, example.context, list(example.questions),
-                                                instruction=prompts.KVZIP_INSTRUCTION)
+    context, suffixes = prompts.split_for_reuse(
+        tok, example.context, list(example.questions), instruction=prompts.KVZIP_INSTRUCTION
+    )
     _, full = gen.prefill(params, cfg, [context.ids()])
     reread = kvzip.reread_inputs(tok, [context.context_start], [context.ids()[context.context_slice]])
     masked, _ = jax.jit(kvzip.score_and_evict)(params, cfg, full, reread, 0.3)
@@ -84,10 +85,10 @@ def test_int4_after_kvzip_0_3_keeps_exact_values_behind_random_keys(qwen):
         work, out = answering.copy_cache(cache), []
         for suffix, references in zip(suffixes, example.answers):
             reference = np.append(prompts.encode_text(tok, references[0]), stops[0])
-            got, work = answering.answer_forced(params, cfg, work, [suffix], [reference], example.max_new_tokens,
-                                                stops)
-            out.append(bool(metrics.score(example.metric, tok.decode(got.tokens[0], skip_special_tokens=True),
-                                          references)))
+            got, work = answering.answer_forced(params, cfg, work, [suffix], [reference], example.max_new_tokens, stops)
+            out.append(
+                bool(metrics.score(example.metric, tok.decode(got.tokens[0], skip_special_tokens=True), references))
+            )
         return out
 
     at_16, at_4 = right(masked), right(kv.quantized(masked, quant.QuantFormat(bits=4)))
@@ -112,8 +113,10 @@ def test_kvzip_at_0_3_answers_right_nine_tenths_as_often_as_the_full_cache(qwen)
     at = [r for r in records if r.level == "pair"]
     assert len(full) == len(at) == 48
     right, full_right = sum(r.correct for r in at), sum(r.correct for r in full)
-    print(f"ratio 0.3: {right}/48 right (full cache {full_right}/48), "
-          f"{sum(r.equal_to_full for r in at)}/48 equal to the full cache's answers")
+    print(
+        f"ratio 0.3: {right}/48 right (full cache {full_right}/48), "
+        f"{sum(r.equal_to_full for r in at)}/48 equal to the full cache's answers"
+    )
     assert right >= 0.9 * full_right, f"ratio 0.3: {right}/48 right, full cache {full_right}/48"
 
 
@@ -126,7 +129,7 @@ def test_oracle_span_scores_equal_the_numpy_oracle():
     prefix, context, span = (rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in (4, 40, 7))
     _, cache = gen.prefill(params, cfg, [np.concatenate([prefix, context])], capacity=128)
     seen = quality.observed_span_inputs(span, len(prefix), len(context))
-    ours = np.asarray(jax.jit(kvscore.score, static_argnums=1)(params, cfg, cache, seen))[:, 0, :, :len(context)]
+    ours = np.asarray(jax.jit(kvscore.score, static_argnums=1)(params, cfg, cache, seen))[:, 0, :, : len(context)]
     expected = oracle_scores(params, cfg, prefix, context, [span], chunk_size=len(context))
     np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
 
@@ -137,12 +140,18 @@ def test_resume_takes_back_only_the_contexts_held_in_full(tmp_path):
     quality = _bench_quality()
 
     def rows(context, cells, questions=2):
-        return [quality.Record(context, f"q{i}", "a", level, ratio, "a", True, True, 1, 0.1)
-                for level, ratio in cells for i in range(questions)]
+        return [
+            quality.Record(context, f"q{i}", "a", level, ratio, "a", True, True, 1, 0.1)
+            for level, ratio in cells
+            for i in range(questions)
+        ]
 
     full = (quality.FULL, None)
-    records = (rows("done", [full, ("pair", 0.3), ("pair", 0.1)]) + rows("cut", [full, ("pair", 0.3)])
-               + rows("other", [full, ("pair", 0.5), ("pair", 0.1)]))
+    records = (
+        rows("done", [full, ("pair", 0.3), ("pair", 0.1)])
+        + rows("cut", [full, ("pair", 0.3)])
+        + rows("other", [full, ("pair", 0.5), ("pair", 0.1)])
+    )
     path = tmp_path / "q.json"
     quality._write_json_atomically(str(path), [vars(r) for r in records])
     done = quality.resumed(str(path), ["done", "cut", "other", "absent"], (0.3, 0.1), ("pair",))

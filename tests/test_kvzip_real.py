@@ -49,13 +49,14 @@ def torch_scores(model, prefix_len, context_len, cache, reread_rows, chunk_size)
         for layer, q, k in RECORDED:
             q = q[0].view(K, G, T, -1)  # [K, G, T, H]
             k = k[0]  # [K, S, H]
-            keys = torch.cat([k[:, :prefix_len], k[:, start:end], k[:, base:base + T]], dim=1)  # [K, P+c+T, H]
+            keys = torch.cat([k[:, :prefix_len], k[:, start:end], k[:, base : base + T]], dim=1)  # [K, P+c+T, H]
             logits = torch.einsum("kgth,ksh->kgts", q, keys) * model.model.layers[layer].self_attn.scaling
             own = torch.arange(T)[None, :] <= torch.arange(T)[:, None]  # [T, T] causal among the reread
             mask = torch.cat([torch.ones(T, prefix_len + end - start, dtype=torch.bool), own], dim=1)
             probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-            scores[layer, :, start - prefix_len:end - prefix_len] = probs[..., prefix_len:prefix_len + end - start].amax(
-                dim=(1, 2))
+            scores[layer, :, start - prefix_len : end - prefix_len] = probs[
+                ..., prefix_len : prefix_len + end - start
+            ].amax(dim=(1, 2))
     return scores.numpy()
 
 
@@ -69,11 +70,12 @@ def smollm2(smollm2_gguf):
     with one_parse_per_gguf():
         cfg, params = params_from_gguf(smollm2_gguf)
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="kvzip_probe")
+            smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32, attn_implementation="kvzip_probe"
+        )
     params = jax.tree.map(jnp.asarray, params)
-    _, cache = gen.prefill(params, cfg, [prompt.ids()[:prompt.context_end]])
+    _, cache = gen.prefill(params, cfg, [prompt.ids()[: prompt.context_end]])
     with torch.no_grad():
-        out = model(torch.tensor(prompt.ids()[None, :prompt.context_end], dtype=torch.long), use_cache=True)
+        out = model(torch.tensor(prompt.ids()[None, : prompt.context_end], dtype=torch.long), use_cache=True)
     return tok, prompt, cfg, params, cache, model, out.past_key_values
 
 
@@ -86,7 +88,7 @@ def test_smollm2_scores_match_an_independent_torch_computation(smollm2, chunk):
     reread = kvzip.reread_inputs(tok, [prefix_len], [prompt.ids()[prompt.context_slice]], chunk_size=chunk)
     assert reread.tokens.shape[0] == -(-n // chunk)
     ours = np.asarray(jax.jit(kvzip.score)(params, cfg, cache, reread))[:, 0, :, :n]
-    rows = [np.asarray(reread.tokens[t, 0, :int(reread.num_valid[t, 0])]) for t in range(reread.tokens.shape[0])]
+    rows = [np.asarray(reread.tokens[t, 0, : int(reread.num_valid[t, 0])]) for t in range(reread.tokens.shape[0])]
     theirs = torch_scores(model, prefix_len, n, torch_cache, rows, chunk)
     assert ours.shape == theirs.shape and ours.shape[-1] >= 1400
     assert not np.isnan(theirs).any()

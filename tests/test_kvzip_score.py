@@ -12,9 +12,20 @@ from kvzip_jax.models.params import init_params
 
 
 def tiny_config(num_kv_heads: int, qkv_bias: bool = False) -> ModelConfig:
-    return ModelConfig(architecture="qwen2" if qkv_bias else "llama", vocab_size=101, hidden_size=48, num_layers=2,
-                       num_heads=6, num_kv_heads=num_kv_heads, head_dim=8, intermediate_size=64, rms_norm_eps=1e-6,
-                       max_position=1024, rope=RopeSpec(theta=1000.0), qkv_bias=qkv_bias)
+    return ModelConfig(
+        architecture="qwen2" if qkv_bias else "llama",
+        vocab_size=101,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=num_kv_heads,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        rope=RopeSpec(theta=1000.0),
+        qkv_bias=qkv_bias,
+    )
 
 
 def numpy_queries_and_keys(params, cfg, tokens):
@@ -28,7 +39,7 @@ def numpy_queries_and_keys(params, cfg, tokens):
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
 
     def rope(x):  # [T, heads, H]
-        a, b = x[..., :H // 2], x[..., H // 2:]
+        a, b = x[..., : H // 2], x[..., H // 2 :]
         return np.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
 
     x = P["embed"][tokens]
@@ -37,9 +48,9 @@ def numpy_queries_and_keys(params, cfg, tokens):
         p = P[f"layers_{i}"]
         h = rms(x, p["attn_norm"])
         qkv = h @ p["qkv"] + (p["qkv_bias"] if cfg.qkv_bias else 0)
-        q = rope(qkv[:, :N * H].reshape(T, N, H))
-        k = rope(qkv[:, N * H:(N + K) * H].reshape(T, K, H))
-        v = qkv[:, (N + K) * H:].reshape(T, K, H)
+        q = rope(qkv[:, : N * H].reshape(T, N, H))
+        k = rope(qkv[:, N * H : (N + K) * H].reshape(T, K, H))
+        v = qkv[:, (N + K) * H :].reshape(T, K, H)
         out.append((q, k, v, h))
         kv_of = np.arange(N) // (N // K)
         logits = np.einsum("tnh,snh->nts", q, k[:, kv_of]) * H**-0.5
@@ -74,42 +85,49 @@ def oracle_scores(params, cfg, prefix, context, rereads, chunk_size, variant="so
                         logits = k[keys, kh] @ q[base + row, kh * G + g] * cfg.head_dim**-0.5
                         probs = np.exp(logits - logits.max())
                         probs /= probs.sum()
-                        stat = (probs if variant == "softmax" else logits)[len(prefix):len(prefix) + end - start]
+                        stat = (probs if variant == "softmax" else logits)[len(prefix) : len(prefix) + end - start]
                         if kvzip_plus:
                             head = kh * G + g
                             value_norm = np.linalg.norm(v[start:end, kh] @ o_proj[head], axis=-1)  # [chunk]
                             stat = stat / np.linalg.norm(h[base + row]) * value_norm
                         best = np.maximum(best, stat)
-                    current = scores[layer, kh, start - len(prefix):end - len(prefix)]
-                    scores[layer, kh, start - len(prefix):end - len(prefix)] = np.fmax(current, best)
+                    current = scores[layer, kh, start - len(prefix) : end - len(prefix)]
+                    scores[layer, kh, start - len(prefix) : end - len(prefix)] = np.fmax(current, best)
     return scores
 
 
 def _inputs(cfg, prefix, context, chunk_size, seed=0):
     """Reread inputs with random 'prompt' tokens (the prompt text itself is tested in test_prompts)."""
     rng = np.random.default_rng(seed)
-    chunks = [context[i:i + chunk_size] for i in range(0, len(context), chunk_size)]
-    rereads = [np.concatenate([rng.integers(0, cfg.vocab_size, 5 + t), c]).astype(np.int32)
-               for t, c in enumerate(chunks)]
+    chunks = [context[i : i + chunk_size] for i in range(0, len(context), chunk_size)]
+    rereads = [
+        np.concatenate([rng.integers(0, cfg.vocab_size, 5 + t), c]).astype(np.int32) for t, c in enumerate(chunks)
+    ]
     width = max(map(len, rereads))
     tokens = np.zeros((len(chunks), 1, width), np.int32)
     for t, r in enumerate(rereads):
-        tokens[t, 0, :len(r)] = r
+        tokens[t, 0, : len(r)] = r
     starts = len(prefix) + chunk_size * np.arange(len(chunks))[:, None]
     inputs = kvscore.RereadInputs(
-        tokens=jnp.asarray(tokens), num_valid=jnp.asarray([[len(r)] for r in rereads], jnp.int32),
+        tokens=jnp.asarray(tokens),
+        num_valid=jnp.asarray([[len(r)] for r in rereads], jnp.int32),
         chunk_start=jnp.asarray(starts, jnp.int32),
         chunk_len=jnp.asarray([[len(c)] for c in chunks], jnp.int32),
-        prefix_len=jnp.asarray([len(prefix)], jnp.int32), context_len=jnp.asarray([len(context)], jnp.int32),
-        chunk_size=chunk_size)
+        prefix_len=jnp.asarray([len(prefix)], jnp.int32),
+        context_len=jnp.asarray([len(context)], jnp.int32),
+        chunk_size=chunk_size,
+    )
     return inputs, rereads
 
 
-@pytest.mark.parametrize("num_kv_heads, qkv_bias, context_len, chunk_size", [
-    (2, False, 23, 32),  # one chunk, GQA group 3
-    (2, True, 45, 16),  # three chunks, the last one short, q/k/v biases
-    (6, False, 30, 12),  # no GQA, three chunks
-])
+@pytest.mark.parametrize(
+    "num_kv_heads, qkv_bias, context_len, chunk_size",
+    [
+        (2, False, 23, 32),  # one chunk, GQA group 3
+        (2, True, 45, 16),  # three chunks, the last one short, q/k/v biases
+        (6, False, 30, 12),  # no GQA, three chunks
+    ],
+)
 def test_scores_equal_the_numpy_oracle(num_kv_heads, qkv_bias, context_len, chunk_size):
     cfg = tiny_config(num_kv_heads, qkv_bias)
     params = init_params(cfg, seed=1, scale=0.15)
@@ -129,8 +147,10 @@ def test_scores_equal_the_numpy_oracle(num_kv_heads, qkv_bias, context_len, chun
     assert np.all(np.isneginf(np.asarray(kvscore.score(params, cfg, cache, inputs))[:, 0, :, context_len:]))
 
 
-@pytest.mark.parametrize("variant, kvzip_plus, chunk_size", [
-    ("logits", False, 32), ("logits", False, 16), ("softmax", True, 32), ("softmax", True, 16)])
+@pytest.mark.parametrize(
+    "variant, kvzip_plus, chunk_size",
+    [("logits", False, 32), ("logits", False, 16), ("softmax", True, 32), ("softmax", True, 16)],
+)
 def test_variants_equal_the_numpy_oracle(variant, kvzip_plus, chunk_size):
     """The softmax-free variant and KVzip+, with one chunk (the forward's normaliser reused) and with three."""
     cfg = tiny_config(2)

@@ -60,8 +60,9 @@ def _unit(module: str) -> str:
 
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(module: str, path: Path) -> list[tuple[str, bool, int]]:
@@ -76,15 +77,16 @@ def _imports(module: str, path: Path) -> list[tuple[str, bool, int]]:
                 found.extend((alias.name, at_load, child.lineno) for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
-                    base = package.split(".")[:len(package.split(".")) - child.level + 1]
+                    base = package.split(".")[: len(package.split(".")) - child.level + 1]
                     source = ".".join(base + ([child.module] if child.module else []))
                 else:
                     source = child.module
                 for alias in child.names:
                     name = f"{source}.{alias.name}"
                     found.append((name if name in MODULES else source, at_load, child.lineno))
-            inside = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or \
-                (isinstance(child, ast.If) and _is_type_checking(child))
+            inside = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) or (
+                isinstance(child, ast.If) and _is_type_checking(child)
+            )
             visit(child, at_load and not inside)
 
     visit(ast.parse(path.read_text(), filename=str(path)), True)
@@ -110,21 +112,28 @@ def test_imports_go_only_to_lower_layers():
         for name, _, line in imports:
             there = _unit(name)
             if there != here and here in RANK and there in RANK and RANK[there] >= RANK[here]:
-                upward.append(f"{_where(module, line)}: {here} (layer {RANK[here]}) imports {name} "
-                              f"(layer {RANK[there]})")
+                upward.append(
+                    f"{_where(module, line)}: {here} (layer {RANK[here]}) imports {name} (layer {RANK[there]})"
+                )
     assert not upward, "imports at or above the importer's layer:\n" + "\n".join(upward)
 
 
 def test_pallas_kernels_imports_nothing_from_kvzip_jax_and_sharding_nothing_from_models():
-    offenders = [f"{_where(module, line)}: {name}" for module, imports in IMPORTS.items() for name, _, line in imports
-                 if (module.startswith("pallas_kernels") and name.startswith("kvzip_jax"))
-                 or (_unit(module) == "kvzip_jax.sharding" and _unit(name) == "kvzip_jax.models")]
+    offenders = [
+        f"{_where(module, line)}: {name}"
+        for module, imports in IMPORTS.items()
+        for name, _, line in imports
+        if (module.startswith("pallas_kernels") and name.startswith("kvzip_jax"))
+        or (_unit(module) == "kvzip_jax.sharding" and _unit(name) == "kvzip_jax.models")
+    ]
     assert not offenders, "\n".join(offenders)
 
 
 def test_no_module_level_import_cycle():
-    graph = {module: sorted({name for name, at_load, _ in imports if at_load and name != module and name in MODULES})
-             for module, imports in IMPORTS.items()}
+    graph = {
+        module: sorted({name for name, at_load, _ in imports if at_load and name != module and name in MODULES})
+        for module, imports in IMPORTS.items()
+    }
     cycles, state = [], {}  # state: 1 on the current path, 2 done
 
     def walk(module: str, path: list[str]) -> None:
@@ -132,7 +141,7 @@ def test_no_module_level_import_cycle():
         path.append(module)
         for name in graph[module]:
             if state.get(name) == 1:
-                cycles.append(" -> ".join(path[path.index(name):] + [name]))
+                cycles.append(" -> ".join(path[path.index(name) :] + [name]))
             elif name not in state:
                 walk(name, path)
         path.pop()
@@ -145,8 +154,11 @@ def test_no_module_level_import_cycle():
 
 
 def test_no_module_is_over_400_lines():
-    long = {str(path.relative_to(ROOT)): count for path in MODULES.values()
-            if (count := len(path.read_text().splitlines())) > MAX_LINES}
+    long = {
+        str(path.relative_to(ROOT)): count
+        for path in MODULES.values()
+        if (count := len(path.read_text().splitlines())) > MAX_LINES
+    }
     assert not long, f"modules over {MAX_LINES} lines (split them): {long}"
 
 

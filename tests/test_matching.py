@@ -11,7 +11,7 @@ from kvzip_jax.matching import fit
 from kvzip_jax.matching.fit import logits, mass_features
 
 H = 16
-SCALE = H ** -0.5
+SCALE = H**-0.5
 
 
 def _head(seed, n=96, T=24, spread=2.0):
@@ -148,8 +148,11 @@ def test_a_padded_fit_wider_than_a_gram_block_equals_the_fit_at_its_own_count():
 def test_highest_attention_keys_are_the_largest_aggregated_weights():
     q, k, _ = _head(5)
     weights = np.asarray(jax.nn.softmax(logits(q, k, SCALE), axis=1), np.float64)
-    for aggregate, score in (("rms", np.sqrt((weights ** 2).mean(0))), ("max", weights.max(0)),
-                             ("mean", weights.mean(0))):
+    for aggregate, score in (
+        ("rms", np.sqrt((weights**2).mean(0))),
+        ("max", weights.max(0)),
+        ("mean", weights.mean(0)),
+    ):
         chosen = np.asarray(matching.highest_attention_keys(q, k, SCALE, 5, aggregate))
         np.testing.assert_array_equal(chosen, np.sort(np.argsort(-score)[:5]))
     with pytest.raises(ValueError, match="aggregate"):
@@ -238,8 +241,10 @@ def test_omp_matches_the_mass_better_than_hak():
         q, k, _ = _head(seed, n=300, T=64)
         phi, mass, _ = mass_features(logits(q, k, SCALE))
         residuals = []
-        for selected in (matching.orthogonal_matching_pursuit(q, k, SCALE, 12),
-                         matching.highest_attention_keys(q, k, SCALE, 12)):
+        for selected in (
+            matching.orthogonal_matching_pursuit(q, k, SCALE, 12),
+            matching.highest_attention_keys(q, k, SCALE, 12),
+        ):
             w = matching.nnls_box(phi[:, selected], mass, 1e-12, float(np.exp(7)), 0)
             residuals.append(float(jnp.sum((phi[:, selected] @ w - mass) ** 2)))
         assert residuals[0] < 0.9 * residuals[1], (seed, residuals)
@@ -247,8 +252,9 @@ def test_omp_matches_the_mass_better_than_hak():
 
 def test_omp_edge_budgets_and_masked_keys():
     q, k, _ = _head(13)
-    np.testing.assert_array_equal(np.sort(matching.orthogonal_matching_pursuit(q, k, SCALE, k.shape[0])),
-                                  np.arange(k.shape[0]))
+    np.testing.assert_array_equal(
+        np.sort(matching.orthogonal_matching_pursuit(q, k, SCALE, k.shape[0])), np.arange(k.shape[0])
+    )
     assert matching.orthogonal_matching_pursuit(q, k, SCALE, 0).shape == (0,)
     valid = jnp.arange(k.shape[0]) % 3 == 0
     chosen = np.asarray(matching.orthogonal_matching_pursuit(q, k, SCALE, 5, key_valid=valid))
@@ -267,8 +273,9 @@ def test_refinement_starts_at_the_closed_form_and_only_lowers_its_objective():
     np.testing.assert_allclose(float(losses[0]), start, rtol=1e-5)
     assert float(losses[-1]) < start and np.isfinite(np.asarray(losses)).all()  # 0.694 -> 0.673: the closed form
     # is within 3% of the local optimum here (Adam at learning rates 1e-3..1e-1 all end at 0.6726)
-    np.testing.assert_allclose(float(losses[-1]), float(matching.matching_loss(q, k, v, ck, beta2, cv2, SCALE)),
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        float(losses[-1]), float(matching.matching_loss(q, k, v, ck, beta2, cv2, SCALE)), rtol=1e-5
+    )
     *_, with_keys = refine(q, k, v, ck, beta, cv, scale=SCALE, steps=200, train_keys=True)
     assert float(with_keys[-1]) < float(losses[0])
     ck, beta, cv = matching.fit_head(q, k, v, jnp.arange(64), SCALE)

@@ -50,8 +50,9 @@ def test_no_cap_is_kvzip_pair_level():
     L, B, K, n = 4, 2, 2, 50
     lens = np.array([50, 33])
     scores = np.where(np.arange(n) < lens[None, :, None, None], rng.normal(size=(L, B, K, n)), -np.inf)
-    counts = np.asarray(head_counts(0.1, jnp.asarray(lens), (L, B, K, n), "global", jnp.asarray(scores, jnp.float32),
-                                    1.0))
+    counts = np.asarray(
+        head_counts(0.1, jnp.asarray(lens), (L, B, K, n), "global", jnp.asarray(scores, jnp.float32), 1.0)
+    )
     for b, length in enumerate(lens):
         flat = scores[:, b, :, :length].reshape(-1)
         threshold = np.sort(flat)[::-1][int(0.1 * L * K * length) - 1]

@@ -9,9 +9,20 @@ from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.sharding import memory
 
 GiB = 1 << 30
-LLAMA_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
-                       num_kv_heads=8, head_dim=128, intermediate_size=14336, rms_norm_eps=1e-5,
-                       max_position=131072, rope=RopeSpec(theta=5e5), tie_embeddings=False)
+LLAMA_8B = ModelConfig(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    rms_norm_eps=1e-5,
+    max_position=131072,
+    rope=RopeSpec(theta=5e5),
+    tie_embeddings=False,
+)
 
 
 def mesh(data=1, seq=1, tensor=1):
@@ -29,8 +40,9 @@ def test_llama_8b_at_128k():
 
 def test_shards_divide_each_part():
     one = memory_plan.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, capacity=131072)
-    split = memory_plan.plan(LLAMA_8B, jnp.bfloat16, 131072, batch=2, mesh=mesh(data=2, seq=2, tensor=8),
-                             capacity=131072)
+    split = memory_plan.plan(
+        LLAMA_8B, jnp.bfloat16, 131072, batch=2, mesh=mesh(data=2, seq=2, tensor=8), capacity=131072
+    )
     assert split.cache * 32 == one.cache and split.scores * 32 == one.scores
     assert one.params / 8 < split.params < 1.01 * one.params / 8  # norms replicated
     assert split.workspace < one.workspace
@@ -38,8 +50,9 @@ def test_shards_divide_each_part():
 
 def test_refuses_before_allocating():
     need = memory_plan.plan(LLAMA_8B, jnp.float32, 131072)
-    with pytest.raises(memory.MemoryPlanError, match="needs 62.42 GiB .* of 24.00 GiB available; the largest part "
-                                                     "is the cache"):
+    with pytest.raises(
+        memory.MemoryPlanError, match="needs 62.42 GiB .* of 24.00 GiB available; the largest part is the cache"
+    ):
         memory.check(need, available=24 * GiB)
     with pytest.raises(MemoryError):  # also a MemoryError for callers that catch those
         memory.check(need, available=24 * GiB)

@@ -38,17 +38,24 @@ def setup():
     reread = _reread([4, 4], context, 16, rng)
     tokens = np.zeros((2, 64), np.int32)
     for b, row in enumerate(context):
-        tokens[b, :len(row)] = row
+        tokens[b, : len(row)] = row
     question = (jnp.asarray(rng.integers(0, 101, (2, 6)), jnp.int32), jnp.array([6, 4], jnp.int32))
-    inputs = methods.Inputs(prefix, reread.context_len, reread=reread, context_tokens=jnp.asarray(tokens),
-                            question=question, key=jnp.stack([jax.random.key(1), jax.random.key(2)]))
+    inputs = methods.Inputs(
+        prefix,
+        reread.context_len,
+        reread=reread,
+        context_tokens=jnp.asarray(tokens),
+        question=question,
+        key=jnp.stack([jax.random.key(1), jax.random.key(2)]),
+    )
     return cfg, params, cache, inputs
 
 
 def _only(method: methods.Method, inputs: methods.Inputs) -> methods.Inputs:
     """The inputs a method reads (as a sweep gives them), the rest left out."""
-    return methods.Inputs(inputs.prefix_len, inputs.context_len,
-                          **{name: getattr(inputs, name) for name in method.reads})
+    return methods.Inputs(
+        inputs.prefix_len, inputs.context_len, **{name: getattr(inputs, name) for name in method.reads}
+    )
 
 
 def _assert_same_cache(a: kv.KVCache, b: kv.KVCache) -> None:
@@ -66,8 +73,17 @@ def test_an_eviction_entry_is_its_scores_budget_rule_and_mask(setup, name):
     if name == "kvzip":
         want, _ = kvzip.score_and_evict(params, cfg, cache, inputs.reread, 0.3)
     else:
-        scores = baselines.baseline_scores(name, params, cfg, cache, inputs.prefix_len, inputs.context_len,
-                                           inputs.context_tokens, question=given.question, key=inputs.key)
+        scores = baselines.baseline_scores(
+            name,
+            params,
+            cfg,
+            cache,
+            inputs.prefix_len,
+            inputs.context_len,
+            inputs.context_tokens,
+            question=given.question,
+            key=inputs.key,
+        )
         keep = baselines.keep_for(name, scores, inputs.context_len, 0.3, kvzip.scoring.evictable_layers(cfg))
         want = kv.mask_context(cache, keep, inputs.prefix_len, inputs.context_len)
     _assert_same_cache(got, want)
@@ -79,8 +95,9 @@ def test_a_compaction_entry_is_its_matching_config(setup, name):
     cfg, params, cache, inputs = setup
     method = methods.get(name)
     config = dataclasses.replace(method.options, ratio=0.3)
-    want, _ = (matching.compact if config.on_policy else jax.jit(matching.compact))(params, cfg, cache,
-                                                                                     inputs.reread, config)
+    want, _ = (matching.compact if config.on_policy else jax.jit(matching.compact))(
+        params, cfg, cache, inputs.reread, config
+    )
     compress = method.compress if method.eager else jax.jit(method.compress, static_argnames="ratio")
     _assert_same_cache(compress(params, cfg, cache, _only(method, inputs), 0.3), want)
 
@@ -91,8 +108,10 @@ def test_prepare_once_then_finish_per_ratio_is_compress(setup):
     given = _only(method, inputs)
     state = method.jitted_prepare(params, cfg, cache, given, method.options)
     for ratio in (0.2, 0.7):
-        _assert_same_cache(method.jitted_finish(params, cfg, cache, given, state, ratio, method.options),
-                           method.compress(params, cfg, cache, given, ratio))
+        _assert_same_cache(
+            method.jitted_finish(params, cfg, cache, given, state, ratio, method.options),
+            method.compress(params, cfg, cache, given, ratio),
+        )
 
 
 def test_names_options_and_inputs_are_checked(setup):
@@ -105,8 +124,13 @@ def test_names_options_and_inputs_are_checked(setup):
         methods.get("kvzip").options_for(levels="pair")
     assert methods.get("kvzip").options_for(level="layer").level == "layer"
     with pytest.raises(methods.MethodError, match="random needs the input"):
-        methods.get("random").compress(params, cfg, cache, methods.Inputs(inputs.prefix_len, inputs.context_len,
-                                                                           context_tokens=inputs.context_tokens), 0.3)
+        methods.get("random").compress(
+            params,
+            cfg,
+            cache,
+            methods.Inputs(inputs.prefix_len, inputs.context_len, context_tokens=inputs.context_tokens),
+            0.3,
+        )
     with pytest.raises(methods.MethodError, match="unknown inputs"):
         dataclasses.replace(methods.get("kvzip"), name="x", needs=("weights",))
     for name in methods.names():
@@ -147,16 +171,41 @@ def test_a_method_defined_here_runs_through_eval_with_table_and_plot(capsys, mon
     plots it; nothing else changes."""
     model = tiny_model(bundled_tokenizer(registry.SMOLLM2))
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": model)
-    toy = methods.Method(name="toy-recent", family="eviction", question_aware=False, paper="(a test)",
-                         description="the most recent pairs", options=_ToyOptions(), prepare=_toy_prepare,
-                         finish=_toy_finish, needs=("context_tokens",))
+    toy = methods.Method(
+        name="toy-recent",
+        family="eviction",
+        question_aware=False,
+        paper="(a test)",
+        description="the most recent pairs",
+        options=_ToyOptions(),
+        prepare=_toy_prepare,
+        finish=_toy_finish,
+        needs=("context_tokens",),
+    )
     methods.register(toy)
     try:
         assert cli.main(["methods"]) == 0 and "| `toy-recent` | eviction | no | (a test) |" in capsys.readouterr().out
         out = tmp_path / "run"
-        argv = ["eval", "--model", "tiny", "--tasks", "passkey", "--contexts", "2", "--context-tokens", "100",
-                "--methods", "kvzip,toy-recent", "--ratios", "1,0.3", "--batch-size", "2", "--out", str(out),
-                "--no-progress"]
+        argv = [
+            "eval",
+            "--model",
+            "tiny",
+            "--tasks",
+            "passkey",
+            "--contexts",
+            "2",
+            "--context-tokens",
+            "100",
+            "--methods",
+            "kvzip,toy-recent",
+            "--ratios",
+            "1,0.3",
+            "--batch-size",
+            "2",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
         assert cli.main(argv) == 0
     finally:
         methods.unregister("toy-recent")

@@ -22,18 +22,43 @@ from kvzip_jax.weights.hf import params_from_hf
 
 from .test_compact import compact_jit_and_eager
 
-TINY = dict(vocab_size=101, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4,
-            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=256,
-            first_k_dense_replace=2, n_routed_experts=4, attn_implementation="eager")
-VARIANTS = {"q_lora": dict(q_lora_rank=24), "no_q_lora": dict(q_lora_rank=None),
-            "no_interleave": dict(q_lora_rank=24, rope_interleave=False),
-            # YaRN as DeepSeek-V2-Lite and V3 configure it, scaled down: over the 36 positions of the test, RoPE
-            # dimension 0 keeps its frequency and 1-3 are interpolated; cos / sin x 1 / mscale(0.707) and the softmax
-            # scale x mscale(0.707)^2 (mscale 1 and mscale_all_dim 0.707 tell the two apart).
-            "yarn": dict(q_lora_rank=24, rope_parameters=dict(
-                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, mscale=1.0,
-                mscale_all_dim=0.707, beta_fast=32, beta_slow=1))}
+TINY = dict(
+    vocab_size=101,
+    hidden_size=48,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    max_position_embeddings=256,
+    first_k_dense_replace=2,
+    n_routed_experts=4,
+    attn_implementation="eager",
+)
+VARIANTS = {
+    "q_lora": dict(q_lora_rank=24),
+    "no_q_lora": dict(q_lora_rank=None),
+    "no_interleave": dict(q_lora_rank=24, rope_interleave=False),
+    # YaRN as DeepSeek-V2-Lite and V3 configure it, scaled down: over the 36 positions of the test, RoPE
+    # dimension 0 keeps its frequency and 1-3 are interpolated; cos / sin x 1 / mscale(0.707) and the softmax
+    # scale x mscale(0.707)^2 (mscale 1 and mscale_all_dim 0.707 tell the two apart).
+    "yarn": dict(
+        q_lora_rank=24,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=64,
+            mscale=1.0,
+            mscale_all_dim=0.707,
+            beta_fast=32,
+            beta_slow=1,
+        ),
+    ),
+}
 
 
 def _tiny_hf_model(variant: str, seed: int = 0):
@@ -80,14 +105,15 @@ def test_prefill_and_16_decode_steps_match_transformers(tiny):
         want = [out.logits[:, -1].numpy()]
         past = out.past_key_values
         for t in range(20, 36):
-            step = model(torch.tensor(tokens[:, t:t + 1], dtype=torch.long), past_key_values=past, use_cache=True)
+            step = model(torch.tensor(tokens[:, t : t + 1], dtype=torch.long), past_key_values=past, use_cache=True)
             want.append(step.logits[:, -1].numpy())
             past = step.past_key_values
     logits, cache = gen.prefill(params, cfg, tokens[:, :20], capacity=64)
     got = [np.asarray(logits)]
     for t in range(20, 36):
-        logits, cache = gen.forward_step(params, jnp.asarray(tokens[:, t:t + 1]), jnp.array([1, 1], jnp.int32), cache,
-                                         cfg)
+        logits, cache = gen.forward_step(
+            params, jnp.asarray(tokens[:, t : t + 1]), jnp.array([1, 1], jnp.int32), cache, cfg
+        )
         got.append(np.asarray(logits[:, -1]))
     np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
     interleaved = model.config.rope_interleave
@@ -107,8 +133,12 @@ def test_the_absorbed_form_equals_the_naive_one(one):
     naive = dataclasses.replace(cfg, mla_form="naive")
     tokens = _tokens(cfg, 2, 30, seed=2)
     positions = jnp.broadcast_to(jnp.arange(30, dtype=jnp.int32), (2, 30))
-    prefill = jax.jit(lambda config: forward(params, jnp.asarray(tokens), positions, kv.init_cache(config, 2, 64),
-                                             config, logits="all")[0], static_argnums=0)
+    prefill = jax.jit(
+        lambda config: forward(
+            params, jnp.asarray(tokens), positions, kv.init_cache(config, 2, 64), config, logits="all"
+        )[0],
+        static_argnums=0,
+    )
     got, want = prefill(cfg), prefill(naive)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
@@ -116,10 +146,17 @@ def test_the_absorbed_form_equals_the_naive_one(one):
     rng = np.random.default_rng(0)
     keep = jnp.asarray(rng.random((2, 1, 64)) < 0.5) | (jnp.arange(64) >= 20)
     bias = jnp.where(jnp.arange(64) < 24, jnp.asarray(rng.normal(size=(2, 1, 64)), jnp.float32), 0.0)
-    masked = dataclasses.replace(cache, layers=tuple(dataclasses.replace(layer, keep=keep, bias=bias)
-                                                     for layer in cache.layers))
-    step = lambda c, config: gen.forward_step(params, jnp.asarray(tokens[:, 24:30]), jnp.array([6, 6], jnp.int32),
-                                              jax.tree.map(jnp.copy, c), config, logits="all")[0]
+    masked = dataclasses.replace(
+        cache, layers=tuple(dataclasses.replace(layer, keep=keep, bias=bias) for layer in cache.layers)
+    )
+    step = lambda c, config: gen.forward_step(
+        params,
+        jnp.asarray(tokens[:, 24:30]),
+        jnp.array([6, 6], jnp.int32),
+        jax.tree.map(jnp.copy, c),
+        config,
+        logits="all",
+    )[0]
     np.testing.assert_allclose(np.asarray(step(masked, cfg)), np.asarray(step(masked, naive)), atol=1e-5, rtol=0)
 
 
@@ -131,19 +168,25 @@ def test_every_cache_form_holds_latents(one):
     tokens = _tokens(cfg, 1, 24, seed=3)
     logits, dense = gen.prefill(params, cfg, tokens, capacity=64)
     everything = jnp.ones((1, 1, 64), bool)
-    masked = kv.mask_context(dense, everything[None].repeat(cfg.num_layers, 0)[..., :20], jnp.array([2]),
-                             jnp.array([20]))
+    masked = kv.mask_context(
+        dense, everything[None].repeat(cfg.num_layers, 0)[..., :20], jnp.array([2]), jnp.array([20])
+    )
     ragged = kv.pack(masked, 16)
     assert ragged.layers[0].offsets.shape == (1, 1)
     assert kv.used_bytes(ragged) == cfg.num_layers * 24 * (8 + 32) * 4  # k_rope and latent per token, float32
-    forms = {"masked": masked, "ragged": ragged, "int8": kv.quantized(ragged, QuantFormat(bits=8, group=8)),
-             "int8-uncentred": kv.quantized(ragged, QuantFormat(bits=8, group=8), center=False)}
+    forms = {
+        "masked": masked,
+        "ragged": ragged,
+        "int8": kv.quantized(ragged, QuantFormat(bits=8, group=8)),
+        "int8-uncentred": kv.quantized(ragged, QuantFormat(bits=8, group=8), center=False),
+    }
     want, _, want_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, dense), 8, return_logits=True)
     for name, cache in forms.items():
         got, _, got_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, cache), 8, return_logits=True)
         assert got == want, name
-        np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits),
-                                   atol=5e-2 if name.startswith("int8") else 1e-4, rtol=0)
+        np.testing.assert_allclose(
+            np.asarray(got_logits), np.asarray(want_logits), atol=5e-2 if name.startswith("int8") else 1e-4, rtol=0
+        )
 
 
 def test_moe_layers_and_attention_biases_are_named_errors():
@@ -158,11 +201,10 @@ def test_moe_layers_and_attention_biases_are_named_errors():
 def test_kvzip_jax_convert_round_trips_a_saved_deepseek_folder(tmp_path):
     """`kvzip-jax convert --hf` writes the checkpoint; registry.load reads it back to the same config and the
     same logits as the folder converted in memory (a YaRN config: its RoPE parameters make the trip too)."""
-    from kvzip_jax.cli import main as cli_main
-    from kvzip_jax.weights import registry
-
     import shutil
 
+    from kvzip_jax.cli import main as cli_main
+    from kvzip_jax.weights import registry
     from tests.conftest import tokenizer_folder
 
     model = _tiny_hf_model("yarn", seed=4)
@@ -188,11 +230,17 @@ def _reread(cfg, prefix: int, context: np.ndarray, prompt: int = 6):
     tokens = np.concatenate([_tokens(cfg, B, prompt, seed=9), context], axis=1)  # [B, prompt + n]
     width = -(-tokens.shape[1] // 64) * 64
     padded = np.zeros((1, B, width), np.int32)
-    padded[0, :, :tokens.shape[1]] = tokens
+    padded[0, :, : tokens.shape[1]] = tokens
     full = lambda value: jnp.full((1, B), value, jnp.int32)
-    return RereadInputs(tokens=jnp.asarray(padded), num_valid=full(tokens.shape[1]), chunk_start=full(prefix),
-                        chunk_len=full(n), prefix_len=jnp.full((B,), prefix, jnp.int32),
-                        context_len=jnp.full((B,), n, jnp.int32), chunk_size=64), tokens
+    return RereadInputs(
+        tokens=jnp.asarray(padded),
+        num_valid=full(tokens.shape[1]),
+        chunk_start=full(prefix),
+        chunk_len=full(n),
+        prefix_len=jnp.full((B,), prefix, jnp.int32),
+        context_len=jnp.full((B,), n, jnp.int32),
+        chunk_size=64,
+    ), tokens
 
 
 def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rereads_softmax(one):
@@ -210,9 +258,10 @@ def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rer
     scores = np.asarray(jax.jit(kvzip.score)(params, cfg, cache, reread))  # [L, B, 1, n]
     with torch.no_grad():
         past = model(torch.tensor(rows, dtype=torch.long), use_cache=True).past_key_values
-        weights = model(torch.tensor(tokens, dtype=torch.long), past_key_values=past, use_cache=True,
-                        output_attentions=True).attentions  # per layer [B, N, T, cache + T]
-    want = np.stack([w.numpy()[:, :, :, prefix:prefix + n].max(axis=(1, 2)) for w in weights])[:, :, None]
+        weights = model(
+            torch.tensor(tokens, dtype=torch.long), past_key_values=past, use_cache=True, output_attentions=True
+        ).attentions  # per layer [B, N, T, cache + T]
+    want = np.stack([w.numpy()[:, :, :, prefix : prefix + n].max(axis=(1, 2)) for w in weights])[:, :, None]
     np.testing.assert_allclose(scores[..., :n], want, atol=1e-5, rtol=0)
 
     keep = keep_mask(jnp.asarray(scores), jnp.full((2,), n), 0.3)  # [L, B, 1, n]
@@ -221,7 +270,8 @@ def test_kvzip_scores_on_an_mla_cache_are_the_max_over_heads_and_rows_of_the_rer
     full_bytes = kv.used_bytes(cache)
     ragged = kv.pack(masked, 0)
     context_share = (kv.used_bytes(ragged) - 2 * cfg.num_layers * prefix * (8 + 32) * 4) / (
-        full_bytes - 2 * cfg.num_layers * prefix * (8 + 32) * 4)
+        full_bytes - 2 * cfg.num_layers * prefix * (8 + 32) * 4
+    )
     assert context_share <= 0.32 and kv.nbytes(ragged) < kv.nbytes(cache)
 
 
@@ -242,8 +292,9 @@ def test_an_eval_sweep_runs_on_an_mla_model(tmp_path):
     cfg = ModelConfig.from_hf(transformers.DeepseekV3Config(**TINY, **VARIANTS["q_lora"]).to_dict())
     cfg = dataclasses.replace(cfg, vocab_size=len(tok), max_position=2048, tie_embeddings=True)
     model = LoadedModel("tiny-mla", cfg, init_params(cfg, seed=0, scale=0.3), tok)
-    config = sw.SweepConfig(methods=("kvzip", "am-hak", "am-hak-fl"), ratios=(0.2,), batch_size=3, kv_bits=(16, 4),
-                            kv_group=8)
+    config = sw.SweepConfig(
+        methods=("kvzip", "am-hak", "am-hak-fl"), ratios=(0.2,), batch_size=3, kv_bits=(16, 4), kv_group=8
+    )
     path = tmp_path / "results.jsonl"
     sw.run_sweep(model, examples(), config, path, progress=False)
     written = report.write_report(path, tmp_path)
@@ -306,8 +357,9 @@ def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(o
             q_seen = seen.q[i][b, 0][np.asarray(seen.valid[b])]
             q_new = fresh.q[i][b, 0][np.asarray(fresh.valid[b])]
             want = matching.attend(q_new, keys[b], latents[b], cfg.query_scale)
-            _, beta, _ = matching.fit_head(q_seen, keys[b], latents[b], jnp.arange(n), cfg.query_scale,
-                                           fit_values=False)  # every token kept: attention as it was
+            _, beta, _ = matching.fit_head(
+                q_seen, keys[b], latents[b], jnp.arange(n), cfg.query_scale, fit_values=False
+            )  # every token kept: attention as it was
             for got, target in zip(matching.attend(q_new, keys[b], latents[b], cfg.query_scale, beta), want):
                 np.testing.assert_allclose(np.asarray(got), np.asarray(target), atol=1e-3)  # as test_matching's
             kept = keep[b]
@@ -366,22 +418,31 @@ def test_attention_matching_with_fitted_latents_holds_key_and_value_latents_apar
             want, _ = matching.attend(q_new, keys[b, context], v_before[b, context], cfg.query_scale)
             for j, (lay, mask) in enumerate(((layer, keep[b]), (other, np.asarray(other.keep)[b, 0]))):
                 m = np.flatnonzero(mask[context]) + prefix
-                got, _ = matching.attend(q_new, keys[b, m], np.asarray(lay.v)[b, 0, m], cfg.query_scale,
-                                         np.asarray(lay.bias)[b, 0, m])
+                got, _ = matching.attend(
+                    q_new, keys[b, m], np.asarray(lay.v)[b, 0, m], cfg.query_scale, np.asarray(lay.bias)[b, 0, m]
+                )
                 errors[j] += float(jnp.mean((got - want) ** 2))
     assert errors[0] < errors[1], errors
 
     naive = dataclasses.replace(cfg, mla_form="naive")
-    step = lambda c, config: gen.forward_step(params, jnp.asarray(_tokens(cfg, B, 6, seed=8)),
-                                              jnp.array([6, 6], jnp.int32), jax.tree.map(jnp.copy, c), config,
-                                              logits="all")
+    step = lambda c, config: gen.forward_step(
+        params,
+        jnp.asarray(_tokens(cfg, B, 6, seed=8)),
+        jnp.array([6, 6], jnp.int32),
+        jax.tree.map(jnp.copy, c),
+        config,
+        logits="all",
+    )
     got, after = step(fitted, cfg)[:2]
     np.testing.assert_allclose(np.asarray(got), np.asarray(step(fitted, naive)[0]), atol=1e-5, rtol=0)
-    written = np.asarray(after.layers[0].k)[:, 0, prefix + n:prefix + n + 6]  # the new tokens' keys
-    np.testing.assert_array_equal(written[..., :R], np.asarray(after.layers[0].v)[:, 0, prefix + n:prefix + n + 6])
+    written = np.asarray(after.layers[0].k)[:, 0, prefix + n : prefix + n + 6]  # the new tokens' keys
+    np.testing.assert_array_equal(written[..., :R], np.asarray(after.layers[0].v)[:, 0, prefix + n : prefix + n + 6])
     want, _, want_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, fitted), 6, return_logits=True)
-    for name, form in (("ragged", packed["fitted"]), ("int8", kv.quantized(packed["fitted"], QuantFormat(8, 8))),
-                       ("int8-uncentred", kv.quantized(packed["fitted"], QuantFormat(8, 8), center=False))):
+    for name, form in (
+        ("ragged", packed["fitted"]),
+        ("int8", kv.quantized(packed["fitted"], QuantFormat(8, 8))),
+        ("int8-uncentred", kv.quantized(packed["fitted"], QuantFormat(8, 8), center=False)),
+    ):
         tokens, _, form_logits = gen.decode(params, cfg, logits, jax.tree.map(jnp.copy, form), 6, return_logits=True)
         assert tokens == want, name
         if name == "ragged":
@@ -390,8 +451,13 @@ def test_attention_matching_with_fitted_latents_holds_key_and_value_latents_apar
     loaded, _ = cache_io.load(cache_io.save(tmp_path / "fitted", packed["fitted"], model), model)
     chex.assert_trees_all_equal(loaded, packed["fitted"])
     with pytest.raises(matching.LatentValuesError, match="this model has no latent cache"):
-        matching.compact(params, dataclasses.replace(cfg, mla=None, architecture="llama", num_kv_heads=4,
-                                                     head_dim=16), cache, reread, configs["fitted"])
+        matching.compact(
+            params,
+            dataclasses.replace(cfg, mla=None, architecture="llama", num_kv_heads=4, head_dim=16),
+            cache,
+            reread,
+            configs["fitted"],
+        )
 
 
 def mla_latent_keys(layer):

@@ -17,22 +17,53 @@ from kvzip_jax.models.observer import AttentionView, map_key_blocks, take_keys
 from kvzip_jax.models.transformer import forward
 from kvzip_jax.weights.hf import params_from_hf
 
-TINY = dict(vocab_size=211, hidden_size=96, intermediate_size=96, num_hidden_layers=3, num_attention_heads=6,
-            num_key_value_heads=2, max_position_embeddings=512, attn_implementation="eager")
+TINY = dict(
+    vocab_size=211,
+    hidden_size=96,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    attn_implementation="eager",
+)
 
 FAMILIES = {
-    "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
-        tie_word_embeddings=True, max_position_embeddings=512,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64})),
+    "llama3": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     # YaRN as Qwen2.5's long-context configs set it (factor 4 over the original context; here 64 tokens).
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
-        tie_word_embeddings=False, rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                 "original_max_position_embeddings": 64})),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        dict(
+            tie_word_embeddings=False,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        ),
+    ),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=16)),
-    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
-        head_dim=16, sliding_window=16, query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        dict(
+            head_dim=16,
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
 }
 
 
@@ -86,8 +117,8 @@ def test_logits_and_cache_match_transformers(tiny):
         kept = ref_k.shape[2]  # transformers keeps only the window on sliding layers
         assert int(layer.lengths.min()) == int(layer.lengths.max()) == 40
         # float32 against torch's float32: a few ulps per op, grown over the layers; relative for keys of size ~3
-        np.testing.assert_allclose(np.asarray(layer.k[:, :, 40 - kept:40]), ref_k, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(layer.v[:, :, 40 - kept:40]), ref_v, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(layer.k[:, :, 40 - kept : 40]), ref_k, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(layer.v[:, :, 40 - kept : 40]), ref_v, atol=1e-5, rtol=1e-5)
     if family == "gemma3":
         assert cfg.window_for(0) == 16 and kept < 40  # the window really cut the sliding layer
 
@@ -101,8 +132,9 @@ def test_chunked_prefill_then_decode_equals_full_forward(tiny):
     assert progress == [(16, 50), (32, 50), (48, 50), (50, 50)]  # a progress bar's steps, one per chunk
     np.testing.assert_allclose(np.asarray(logits), np.asarray(full[:, 49]), atol=1e-4, rtol=0)
     for t in range(50, 70):
-        step_logits, cache = gen.forward_step(params, jnp.asarray(tokens[:, t:t + 1]), jnp.array([1, 1], jnp.int32),
-                                              cache, cfg)
+        step_logits, cache = gen.forward_step(
+            params, jnp.asarray(tokens[:, t : t + 1]), jnp.array([1, 1], jnp.int32), cache, cfg
+        )
         np.testing.assert_allclose(np.asarray(step_logits[:, 0]), np.asarray(full[:, t]), atol=1e-4, rtol=0)
 
 
@@ -138,7 +170,7 @@ def test_greedy_decode_equals_step_by_step_recompute(tiny):
         for _ in range(8):  # a fresh prefill of the whole sequence each step, same capacity bucket
             out, _ = gen.prefill(params, cfg, [np.array(seq, np.int32)], capacity=64)
             seq.append(int(jnp.argmax(out[0])))
-        assert got == seq[len(row):]
+        assert got == seq[len(row) :]
 
 
 def test_stop_tokens_and_sampling_seed(tiny):
@@ -149,7 +181,7 @@ def test_stop_tokens_and_sampling_seed(tiny):
     stop = greedy[0][2]
     logits, cache = gen.prefill(params, cfg, prompt)
     stopped, _ = gen.decode(params, cfg, logits, cache, 6, stop_tokens=[stop])
-    assert stopped[0] == greedy[0][:greedy[0].index(stop) + 1]
+    assert stopped[0] == greedy[0][: greedy[0].index(stop) + 1]
     draws = []
     for seed in (7, 7, 8):
         logits, cache = gen.prefill(params, cfg, prompt)
@@ -309,16 +341,17 @@ def test_blocked_attention_over_cache_and_new_keys_equals_dense_softmax(window):
     query_slots = filled[..., None] + np.arange(T, dtype=np.int32)  # [B, K, T]
     subset = lambda slots: (slots < 5) | ((slots >= 20) & (slots < 40))
     out, lse, subset_lse = jax.jit(lambda *a: blocked_attention(*a, window, scale, jnp.asarray(keep), subset=subset))(
-        q, k, v, jnp.asarray(filled), k_new, v_new, jnp.asarray(query_slots))
+        q, k, v, jnp.asarray(filled), k_new, v_new, jnp.asarray(query_slots)
+    )
 
     for b in range(B):
         for h in range(K):
             cache_slots = np.arange(C)
-            keys = np.concatenate([k[b, h, :filled[b, h]], k_new[b, h]]).astype(np.float64)
-            values = np.concatenate([v[b, h, :filled[b, h]], v_new[b, h]]).astype(np.float64)
-            slots = np.concatenate([cache_slots[:filled[b, h]], query_slots[b, h]])
-            in_subset = np.concatenate([subset(cache_slots[:filled[b, h]]), np.ones(T, bool)])
-            kept = np.concatenate([keep[b, h, :filled[b, h]], np.ones(T, bool)])
+            keys = np.concatenate([k[b, h, : filled[b, h]], k_new[b, h]]).astype(np.float64)
+            values = np.concatenate([v[b, h, : filled[b, h]], v_new[b, h]]).astype(np.float64)
+            slots = np.concatenate([cache_slots[: filled[b, h]], query_slots[b, h]])
+            in_subset = np.concatenate([subset(cache_slots[: filled[b, h]]), np.ones(T, bool)])
+            kept = np.concatenate([keep[b, h, : filled[b, h]], np.ones(T, bool)])
             visible = (slots[None, :] <= query_slots[b, h][:, None]) & kept[None, :]  # [T, S]
             if window is not None:
                 visible &= query_slots[b, h][:, None] - slots[None, :] < window
@@ -343,8 +376,9 @@ def test_new_keys_after_the_cache_alone_equal_one_pass(window):
     rng = np.random.default_rng(4)
     B, K, G, H, C, T, scale = 2, 2, 3, 8, 64, 70, 0.3
     q = jnp.asarray(rng.normal(size=(B, T, K, G, H)), jnp.float32)
-    k, v, k_new, v_new = (jnp.asarray(rng.normal(size=shape), jnp.float32)
-                          for shape in [(B, K, C, H)] * 2 + [(B, K, T, H)] * 2)
+    k, v, k_new, v_new = (
+        jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in [(B, K, C, H)] * 2 + [(B, K, T, H)] * 2
+    )
     filled = jnp.asarray(rng.integers(10, C, (B, K)), jnp.int32).at[0, 1].set(0)
     keep = jnp.asarray(rng.random((B, K, C)) < 0.8)
     query_slots = filled[..., None] + jnp.arange(T, dtype=jnp.int32)

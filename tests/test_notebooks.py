@@ -21,8 +21,13 @@ COLAB = Path(__file__).resolve().parents[1] / "colab"
 SMALL = {  # notebook -> parameter overrides for a CI run on 2 CPU cores
     "quickstart": {"MAX_NEW_TOKENS": 8, "DOCUMENT_CHARS": 1000},
     "what_was_kept": {"DOCUMENT_CHARS": 1000},
-    "sweep": {"TASKS": ("passkey",), "METHODS": ("kvzip", "streamingllm"), "RATIOS": (1.0, 0.3), "CONTEXTS": 2,
-              "CONTEXT_TOKENS": 150},
+    "sweep": {
+        "TASKS": ("passkey",),
+        "METHODS": ("kvzip", "streamingllm"),
+        "RATIOS": (1.0, 0.3),
+        "CONTEXTS": 2,
+        "CONTEXT_TOKENS": 150,
+    },
 }
 
 

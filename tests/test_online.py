@@ -76,13 +76,15 @@ def test_defragmenting_a_compacted_cache_changes_no_attention(model):
 def _with_evicted_gaps(layer: kv.LayerCache) -> kv.LayerCache:
     """The pairs of a dense layer with an evicted slot after each: a masked layer holding them spread out."""
     C = layer.capacity
-    spread = lambda x: jnp.stack([x, jnp.zeros_like(x)], axis=3).reshape(
-        x.shape[:2] + (2 * C,) + x.shape[3:])[:, :, :C]  # [B, K, C, ...] slot i -> 2i
+    spread = lambda x: jnp.stack([x, jnp.zeros_like(x)], axis=3).reshape(x.shape[:2] + (2 * C,) + x.shape[3:])[
+        :, :, :C
+    ]  # [B, K, C, ...] slot i -> 2i
     assert int(layer.lengths.max()) * 2 <= C
     slots = jnp.arange(C)
     keep = (slots % 2 == 0) | (slots >= 2 * layer.lengths[..., None])  # appended tokens are kept
-    return kv.LayerCache(k=spread(layer.k), v=spread(layer.v), keep=keep, bias=spread(layer.bias),
-                         lengths=2 * layer.lengths)
+    return kv.LayerCache(
+        k=spread(layer.k), v=spread(layer.v), keep=keep, bias=spread(layer.bias), lengths=2 * layer.lengths
+    )
 
 
 def test_bad_settings_get_named_errors(model):

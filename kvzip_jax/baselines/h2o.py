@@ -23,7 +23,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots, window_columns
 from kvzip_jax.baselines.snapkv import window_sizes
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models.attention import AttentionView, map_key_blocks, take_keys
+from kvzip_jax.models.observer import AttentionView, map_key_blocks, take_keys
 
 DEFAULT_CHUNK = 512  # tokens replayed per observed pass (memory only: the sums do not depend on it)
 
@@ -54,9 +54,17 @@ class H2OObserver:
         return jax.vmap(lambda head_stat: to_slots(view, head_stat), in_axes=3, out_axes=2)(stat)
 
 
-def h2o_scores(params, cfg: ModelConfig, cache: kv.KVCache, prefix_len: jax.Array, context_len: jax.Array,
-               context_tokens: jax.Array, question=None, chunk: int = DEFAULT_CHUNK,
-               window: int | None = None) -> jax.Array:
+def h2o_scores(
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    prefix_len: jax.Array,
+    context_len: jax.Array,
+    context_tokens: jax.Array,
+    question=None,
+    chunk: int = DEFAULT_CHUNK,
+    window: int | None = None,
+) -> jax.Array:
     """H2O scores [L, B, K, n] of the context pairs of a cache holding [prefix | context]; the recent window's
     columns are +inf.
 

@@ -21,17 +21,26 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models.attention import AttentionView, Observer
+from kvzip_jax.models.observer import AttentionView, Observer
 from kvzip_jax.models.transformer import forward
 
 
-def observe_span(params, cfg: ModelConfig, cache: kv.KVCache, tokens: jax.Array, start: jax.Array,
-                 num_valid: jax.Array, observer: Observer) -> tuple:
+def observe_span(
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    tokens: jax.Array,
+    start: jax.Array,
+    num_valid: jax.Array,
+    observer: Observer,
+) -> tuple:
     """Per-layer observer outputs of tokens [B, T] forwarded at positions start [B] + t on top of the cache's
     slots [0, start); num_valid [B] real tokens per row. The cache is neither modified nor copied."""
     B, T = tokens.shape
-    layers = tuple(dataclasses.replace(layer, lengths=jnp.broadcast_to(start[:, None], layer.lengths.shape))
-                   for layer in cache.layers)
+    layers = tuple(
+        dataclasses.replace(layer, lengths=jnp.broadcast_to(start[:, None], layer.lengths.shape))
+        for layer in cache.layers
+    )
     cut = kv.KVCache(layers=layers, next_position=start)
     positions = start[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
     _, _, aux = forward(params, tokens, positions, cut, cfg, observer, num_new=num_valid, logits=None)

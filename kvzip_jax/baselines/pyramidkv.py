@@ -24,8 +24,14 @@ from kvzip_jax.kvzip.budget import kept_count
 BETA = 20.0  # KVCache-Factory PyramidKVCluster's default beta
 
 
-def pyramid_budgets(ratio, context_len: jax.Array, num_layers: int, num_kv_heads: int, window: jax.Array | None = None,
-                    beta: float = BETA) -> jax.Array:
+def pyramid_budgets(
+    ratio,
+    context_len: jax.Array,
+    num_layers: int,
+    num_kv_heads: int,
+    window: jax.Array | None = None,
+    beta: float = BETA,
+) -> jax.Array:
     """counts [L, B] int32 per layer and row (module docstring): non-increasing over layers, each <= K x
     context_len, summing to L x floor(ratio x K x context_len). window [B]: the observation window (default
     snapkv.window_sizes). ratio may be traced."""

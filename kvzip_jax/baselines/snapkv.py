@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from kvzip_jax import cache as kv
 from kvzip_jax.baselines.observe import context_columns, observe_span, real_rows, to_slots, window_columns
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models.attention import AttentionView
+from kvzip_jax.models.observer import AttentionView
 
 WINDOW, SHORT_WINDOW, SHORT_CONTEXT = 32, 16, 1024  # KVzip paper App. A (SnapKV's w32 configs; 16 under 1K)
 KERNEL = 7  # max-pool kernel: KVzip paper App. A, SnapKV's k7_maxpool configs
@@ -58,9 +58,17 @@ def max_pool(x: jax.Array, kernel: int) -> jax.Array:
     return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, (1,) * (x.ndim - 1) + (kernel,), (1,) * x.ndim, pad)
 
 
-def snapkv_scores(params, cfg: ModelConfig, cache: kv.KVCache, prefix_len: jax.Array, context_len: jax.Array,
-                  context_tokens: jax.Array, question=None, window: int | None = None,
-                  kernel: int = KERNEL) -> jax.Array:
+def snapkv_scores(
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    prefix_len: jax.Array,
+    context_len: jax.Array,
+    context_tokens: jax.Array,
+    question=None,
+    window: int | None = None,
+    kernel: int = KERNEL,
+) -> jax.Array:
     """SnapKV scores [L, B, K, n] of the context pairs of a cache holding [prefix | context].
 
     context_tokens [B, n] right-padded; question: (tokens [B, Tq], lengths [B]) or None; window: a fixed window
@@ -80,8 +88,9 @@ def snapkv_scores(params, cfg: ModelConfig, cache: kv.KVCache, prefix_len: jax.A
         asked = jnp.take_along_axis(q_tokens, jnp.clip(t - tail[:, None], 0, Tq - 1), axis=1)  # [B, T]
         tokens = jnp.where(t < tail[:, None], tokens, asked)
     num_valid = tail + q_len  # [B]
-    observed = observe_span(params, cfg, cache, tokens, prefix_len + context_len - tail, num_valid,
-                            WindowObserver(num_valid, w))
+    observed = observe_span(
+        params, cfg, cache, tokens, prefix_len + context_len - tail, num_valid, WindowObserver(num_valid, w)
+    )
     attention = context_columns(jnp.stack(observed), prefix_len, context_len, n)  # [L, B, K, n]
 
     in_window = window_columns(context_len, q_len, w, n)  # [B, n]

@@ -14,8 +14,9 @@ import jax.numpy as jnp
 SINKS = 4  # attention sinks: StreamingLLM (Xiao et al. 2023, arXiv 2309.17453) keeps the first 4 tokens
 
 
-def streaming_scores(context_len: jax.Array, num_layers: int, num_kv_heads: int, n: int,
-                     sinks: int = SINKS) -> jax.Array:
+def streaming_scores(
+    context_len: jax.Array, num_layers: int, num_kv_heads: int, n: int, sinks: int = SINKS
+) -> jax.Array:
     """[L, B, K, n]: +inf for the first `sinks` columns, the column index after them, -inf past context_len."""
     columns = jnp.arange(n)
     row = jnp.where(columns < sinks, jnp.inf, columns.astype(jnp.float32))  # [n]

@@ -35,7 +35,34 @@ from kvzip_jax.cache.ragged import STORE_STEPS, pack, store_bucket
 from kvzip_jax.cache.sizes import nbytes, pair_bytes, row_bytes, used_bytes
 from kvzip_jax.cache.writes import write, written
 
-__all__ = ["RAGGED_BLOCK", "STORE_STEPS", "WINDOW", "CacheMark", "KVCache", "LayerCache", "QuantizedLayerCache",
-           "RaggedLayerCache", "_key_center", "_per_slot", "_room", "defragment", "grown", "init_cache",
-           "kept_per_head", "mark", "mask_context", "nbytes", "pack", "pair_bytes", "quantized", "rewind",
-           "row_bytes", "store_bucket", "tiled_rows", "used_bytes", "visible_slots", "write", "written"]
+__all__ = [
+    "RAGGED_BLOCK",
+    "STORE_STEPS",
+    "WINDOW",
+    "CacheMark",
+    "KVCache",
+    "LayerCache",
+    "QuantizedLayerCache",
+    "RaggedLayerCache",
+    "_key_center",
+    "_per_slot",
+    "_room",
+    "defragment",
+    "grown",
+    "init_cache",
+    "kept_per_head",
+    "mark",
+    "mask_context",
+    "nbytes",
+    "pack",
+    "pair_bytes",
+    "quantized",
+    "rewind",
+    "row_bytes",
+    "store_bucket",
+    "tiled_rows",
+    "used_bytes",
+    "visible_slots",
+    "write",
+    "written",
+]

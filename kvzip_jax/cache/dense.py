@@ -23,8 +23,9 @@ def init_cache(cfg: ModelConfig, batch_size: int, capacity: int, dtype=jnp.float
         v=jnp.zeros(shape(v_width), dtype),
         lengths=jnp.zeros((batch_size, cfg.num_kv_heads), jnp.int32),
     )
-    return KVCache(layers=tuple(layer() for _ in range(cfg.num_layers)),
-                   next_position=jnp.zeros((batch_size,), jnp.int32))
+    return KVCache(
+        layers=tuple(layer() for _ in range(cfg.num_layers)), next_position=jnp.zeros((batch_size,), jnp.int32)
+    )
 
 
 def mask_context(cache: KVCache, keep: jax.Array, prefix_len: jax.Array, context_len: jax.Array) -> KVCache:
@@ -47,8 +48,11 @@ def defragment(cache: KVCache) -> KVCache:
     """A dense cache from a masked (or compacted) one of the same capacity: each head's visible filled slots move
     to the front, in their order, with their bias; the evicted slots become free room for new tokens. Keys keep their
     original RoPE and next_position is unchanged, so attention is the same. Jittable (shapes do not change)."""
-    return dataclasses.replace(cache, layers=tuple(_defragment_layer(layer) for layer in cache.layers),
-                               next_position=jnp.array(cache.next_position))
+    return dataclasses.replace(
+        cache,
+        layers=tuple(_defragment_layer(layer) for layer in cache.layers),
+        next_position=jnp.array(cache.next_position),
+    )
 
 
 def _defragment_layer(layer):
@@ -60,8 +64,12 @@ def _defragment_layer(layer):
     # A stable order that puts the visible slots first: slot index, offset by C for the others.
     order = jnp.argsort(jnp.where(visible, 0, layer.capacity) + jnp.arange(layer.capacity), axis=-1)  # [B, K, C]
     gather = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 3)), axis=2)
-    return LayerCache(k=gather(layer.k), v=gather(layer.v), lengths=visible.sum(-1, dtype=jnp.int32),
-                      bias=None if layer.bias is None else gather(layer.bias))
+    return LayerCache(
+        k=gather(layer.k),
+        v=gather(layer.v),
+        lengths=visible.sum(-1, dtype=jnp.int32),
+        bias=None if layer.bias is None else gather(layer.bias),
+    )
 
 
 def grown(cache: KVCache, extra: int) -> KVCache:
@@ -72,10 +80,18 @@ def grown(cache: KVCache, extra: int) -> KVCache:
     def grow(layer):
         if not isinstance(layer, LayerCache):
             raise TypeError("grown takes a dense cache, not a ragged one")
-        pad = lambda x, value=0: None if x is None else jnp.pad(
-            x, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 3), constant_values=value)
-        return LayerCache(k=pad(layer.k), v=pad(layer.v), lengths=jnp.copy(layer.lengths), keep=pad(layer.keep, True),
-                          bias=pad(layer.bias))
+        pad = lambda x, value=0: (
+            None
+            if x is None
+            else jnp.pad(x, [(0, 0), (0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 3), constant_values=value)
+        )
+        return LayerCache(
+            k=pad(layer.k),
+            v=pad(layer.v),
+            lengths=jnp.copy(layer.lengths),
+            keep=pad(layer.keep, True),
+            bias=pad(layer.bias),
+        )
 
     return KVCache(layers=tuple(grow(layer) for layer in cache.layers), next_position=jnp.copy(cache.next_position))
 

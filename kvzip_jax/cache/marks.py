@@ -22,11 +22,20 @@ class CacheMark:
 
 
 def mark(cache: KVCache) -> CacheMark:
-    windows = tuple(QuantizedLayerCache(store=LayerCache(k=None, v=None, lengths=jnp.array(layer.store.lengths)),
-                                        window=jax.tree.map(jnp.array, layer.window))
-                    if isinstance(layer, QuantizedLayerCache) else None for layer in cache.layers)
-    return CacheMark(tuple(jnp.array(layer.lengths) for layer in cache.layers), jnp.array(cache.next_position),
-                     windows if any(w is not None for w in windows) else None)
+    windows = tuple(
+        QuantizedLayerCache(
+            store=LayerCache(k=None, v=None, lengths=jnp.array(layer.store.lengths)),
+            window=jax.tree.map(jnp.array, layer.window),
+        )
+        if isinstance(layer, QuantizedLayerCache)
+        else None
+        for layer in cache.layers
+    )
+    return CacheMark(
+        tuple(jnp.array(layer.lengths) for layer in cache.layers),
+        jnp.array(cache.next_position),
+        windows if any(w is not None for w in windows) else None,
+    )
 
 
 def rewind(cache: KVCache, to: CacheMark) -> KVCache:
@@ -37,8 +46,10 @@ def rewind(cache: KVCache, to: CacheMark) -> KVCache:
     layer gets its window back exactly when the mark lies in it; a point past the mark's window that a flush has
     since moved into the store stays there, quantized (as if the cache had been filled to it)."""
     windows = to.windows or (None,) * len(cache.layers)
-    layers = tuple(_rewound(layer, jnp.array(lengths), then)  # copies: the mark outlives donation
-                   for layer, lengths, then in zip(cache.layers, to.lengths, windows))
+    layers = tuple(
+        _rewound(layer, jnp.array(lengths), then)  # copies: the mark outlives donation
+        for layer, lengths, then in zip(cache.layers, to.lengths, windows)
+    )
     return KVCache(layers=layers, next_position=jnp.array(to.next_position))
 
 
@@ -51,7 +62,9 @@ def _rewound(layer, lengths: jax.Array, then: QuantizedLayerCache | None):
     in_old_window = (stored_now > stored_then) & (lengths <= then.lengths)  # flushed since; back in the old window
     stored = jnp.where(in_old_window, stored_then, jnp.clip(lengths, stored_then, stored_now))
     pick = lambda old, new: jnp.where(in_old_window[..., None, None], old, new)
-    window = LayerCache(k=pick(then.window.k, layer.window.k), v=pick(then.window.v, layer.window.v),
-                        lengths=lengths - stored)
-    return QuantizedLayerCache(store=dataclasses.replace(layer.store, lengths=stored), window=window,
-                               key_center=layer.key_center)
+    window = LayerCache(
+        k=pick(then.window.k, layer.window.k), v=pick(then.window.v, layer.window.v), lengths=lengths - stored
+    )
+    return QuantizedLayerCache(
+        store=dataclasses.replace(layer.store, lengths=stored), window=window, key_center=layer.key_center
+    )

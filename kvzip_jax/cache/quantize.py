@@ -15,16 +15,19 @@ from kvzip_jax.cache.layouts import WINDOW, KVCache, LayerCache, QuantizedLayerC
 from kvzip_jax.quant import groups as quant
 
 
-def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), window: int = WINDOW,
-              center: bool = True) -> KVCache:
+def quantized(
+    cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), window: int = WINDOW, center: bool = True
+) -> KVCache:
     """The cache with every layer's stored pairs quantized in fmt (per token, groups along the head dim) and an empty
     full-precision window of `window` tokens per KV head for what is appended next; keep masks, offsets and biases
     (float32) are kept as they are. center: each head's keys are first centred per channel on the midpoint of their
     visible pairs' range, rounded to the scale dtype (key_center; exact: attention adds the centre's logit back).
     Any form (dense, masked, compacted, ragged); jittable."""
     if fmt.along != "head_dim":
-        raise ValueError("a cache quantizes its pairs per token (along='head_dim'); per-channel (KIVI) keys need "
-                         "token groups that flushes of the window would split")
+        raise ValueError(
+            "a cache quantizes its pairs per token (along='head_dim'); per-channel (KIVI) keys need "
+            "token groups that flushes of the window would split"
+        )
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
 
@@ -37,9 +40,11 @@ def quantized(cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), wind
         store = dataclasses.replace(copied, k=quant.quantize(keys, fmt), v=quant.quantize(layer.v, fmt))
         B, K = layer.lengths.shape
         empty = lambda x: jnp.zeros((B, K, window, x.shape[-1]), x.dtype)  # k and v widths (MLA: they differ)
-        return QuantizedLayerCache(store=store, window=LayerCache(k=empty(layer.k), v=empty(layer.v),
-                                                                  lengths=jnp.zeros_like(layer.lengths)),
-                                   key_center=key_center)
+        return QuantizedLayerCache(
+            store=store,
+            window=LayerCache(k=empty(layer.k), v=empty(layer.v), lengths=jnp.zeros_like(layer.lengths)),
+            key_center=key_center,
+        )
 
     return KVCache(layers=tuple(layer_of(layer) for layer in cache.layers), next_position=jnp.copy(cache.next_position))
 

@@ -56,7 +56,14 @@ def _pack_layer(layer, offsets: jax.Array, size: int, block: int) -> RaggedLayer
     slots = jnp.where(visible, offsets[..., None] + rank, size)  # evicted and empty slots aim past the end
     batch = jnp.arange(B)[:, None, None]
     store = lambda x: jnp.zeros((B, size, x.shape[-1]), x.dtype).at[batch, slots].set(x, mode="drop")
-    bias = None if layer.bias is None else jnp.zeros((B, size), jnp.float32).at[batch, slots].set(
-        layer.bias, mode="drop")  # [B, S]
-    return RaggedLayerCache(k=store(layer.k), v=store(layer.v), lengths=visible.sum(-1, dtype=jnp.int32),
-                            offsets=offsets, bias=bias, block=block)
+    bias = (
+        None if layer.bias is None else jnp.zeros((B, size), jnp.float32).at[batch, slots].set(layer.bias, mode="drop")
+    )  # [B, S]
+    return RaggedLayerCache(
+        k=store(layer.k),
+        v=store(layer.v),
+        lengths=visible.sum(-1, dtype=jnp.int32),
+        offsets=offsets,
+        bias=bias,
+        block=block,
+    )

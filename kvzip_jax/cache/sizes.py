@@ -38,6 +38,7 @@ def row_bytes(cache: KVCache, to_host=np.asarray) -> np.ndarray:
 
 def pair_bytes(layer) -> int:
     """Bytes one slot of a (dense or ragged) layer holds: its key, its value and its bias."""
-    row = lambda x: x.nbytes // int(np.prod(x.shape[:-1])) if isinstance(x, quant.Quantized) else \
-        x.shape[-1] * x.dtype.itemsize
+    row = lambda x: (
+        x.nbytes // int(np.prod(x.shape[:-1])) if isinstance(x, quant.Quantized) else x.shape[-1] * x.dtype.itemsize
+    )
     return row(layer.k) + row(layer.v) + (0 if layer.bias is None else 4)

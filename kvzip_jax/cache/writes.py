@@ -31,8 +31,12 @@ def write(layer, k_new: jax.Array, v_new: jax.Array, num_new: jax.Array):
     if isinstance(layer, RaggedLayerCache):
         return _write_ragged(layer, k_new, v_new, num_new)
     count = jnp.broadcast_to(num_new[:, None], layer.lengths.shape)
-    return written(layer, _write_dense(layer.k, k_new, layer.lengths, count),
-                   _write_dense(layer.v, v_new, layer.lengths, count), num_new)
+    return written(
+        layer,
+        _write_dense(layer.k, k_new, layer.lengths, count),
+        _write_dense(layer.v, v_new, layer.lengths, count),
+        num_new,
+    )
 
 
 def _write_dense(store: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
@@ -92,14 +96,21 @@ def _write_quantized(layer: QuantizedLayerCache, k_new, v_new, num_new) -> Quant
     stored = jnp.minimum(flushed, _room(store))  # rows past the store's room are dropped (callers check room())
     if isinstance(store, RaggedLayerCache):
         put = lambda old, new: jax.tree.map(
-            lambda o, n: _put_ragged(o, n, store.offsets + store.lengths, stored), old, new)
+            lambda o, n: _put_ragged(o, n, store.offsets + store.lengths, stored), old, new
+        )
     else:
         put = lambda old, new: jax.tree.map(lambda o, n: _write_dense(o, n, store.lengths, stored), old, new)
     keys = both.k if layer.key_center is None else both.k - layer.key_center[:, :, None, :].astype(jnp.float32)
-    store = dataclasses.replace(store, k=put(store.k, quant.quantize(keys, store.k.format)),  # (MLA: k and v
-                                v=put(store.v, quant.quantize(both.v, store.v.format)),  # differ in width)
-                                lengths=store.lengths + stored)
+    store = dataclasses.replace(
+        store,
+        k=put(store.k, quant.quantize(keys, store.k.format)),  # (MLA: k and v
+        v=put(store.v, quant.quantize(both.v, store.v.format)),  # differ in width)
+        lengths=store.lengths + stored,
+    )
     rest = jnp.minimum(flushed[..., None] + jnp.arange(R), R + T - 1)  # [B, K, R] rows left in the window
     keep = lambda x: jnp.take_along_axis(x, rest[..., None], axis=2)
-    return QuantizedLayerCache(store=store, window=LayerCache(k=keep(both.k), v=keep(both.v), lengths=total - flushed),
-                               key_center=layer.key_center)
+    return QuantizedLayerCache(
+        store=store,
+        window=LayerCache(k=keep(both.k), v=keep(both.v), lengths=total - flushed),
+        key_center=layer.key_center,
+    )

@@ -22,8 +22,10 @@ def run(args: argparse.Namespace) -> int:
     bits = common.kv_bits(cache)  # as saved, or quantized on load (--kv-bits)
     what += f", int{bits}" if bits is not None else ""
     context = meta.get("context", {}).get("tokens", "?")
-    print(f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "
-          f"{time.perf_counter() - start:.1f} s, no prefill or scoring; KV cache bytes: {common.cache_bytes(cache)}")
+    print(
+        f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "
+        f"{time.perf_counter() - start:.1f} s, no prefill or scoring; KV cache bytes: {common.cache_bytes(cache)}"
+    )
     completion = common.asks_by_completion(model)
     for question in questions if questions is not None else list(common.stdin_questions()):
         try:
@@ -34,8 +36,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("ask", help="answer questions from a cache saved by `compress --save` (no "
-                                   "prefill, no scoring)")
+    parser = subparsers.add_parser(
+        "ask", help="answer questions from a cache saved by `compress --save` (no prefill, no scoring)"
+    )
     parser.add_argument("--cache", required=True, metavar="DIR", help="a folder written by compress --save")
     options.add_model(parser, required=False, note="default: the one that made the cache")
     options.add_questions(parser)

@@ -68,9 +68,12 @@ def run(args: argparse.Namespace) -> int:
             print("bye")
             return 0
         if line == "/bytes":
-            print(f"KV cache bytes: {common.cache_bytes(cache)}; "
-                  f"{int(cache.next_position[0]) - int(start.next_position[0])} tokens of conversation after the "
-                  "document", flush=True)
+            print(
+                f"KV cache bytes: {common.cache_bytes(cache)}; "
+                f"{int(cache.next_position[0]) - int(start.next_position[0])} tokens of conversation after the "
+                "document",
+                flush=True,
+            )
             continue
         if line == "/reset":
             cache, turns = kv.rewind(cache, start), 0
@@ -98,12 +101,18 @@ def _stream_answer(model, cache, ids, max_new_tokens: int, stops):
     logits, cache = gen.prefill(model.params, model.cfg, [ids], cache)
     answer, printed = [], ""
     while len(answer) < max_new_tokens:
-        new, cache, logits = gen.decode(model.params, model.cfg, logits, cache,
-                                        min(STREAM_STEP, max_new_tokens - len(answer)), stop_tokens=stops,
-                                        return_logits=True)
+        new, cache, logits = gen.decode(
+            model.params,
+            model.cfg,
+            logits,
+            cache,
+            min(STREAM_STEP, max_new_tokens - len(answer)),
+            stop_tokens=stops,
+            return_logits=True,
+        )
         answer += new[0]
         text = model.tokenizer.decode([t for t in answer if t not in stops])
-        print(text[len(printed):], end="", flush=True)
+        print(text[len(printed) :], end="", flush=True)
         printed = text
         if not new[0] or new[0][-1] in stops or int(cache.room()[0]) <= 0:
             break
@@ -112,15 +121,18 @@ def _stream_answer(model, cache, ids, max_new_tokens: int, stops):
 
 
 def add_parser(subparsers) -> None:
-    parser = subparsers.add_parser("chat", help="talk to a compressed document in the terminal (multi-turn, "
-                                   "streamed)")
+    parser = subparsers.add_parser("chat", help="talk to a compressed document in the terminal (multi-turn, streamed)")
     options.add_model(parser, required=False, note="with --cache: default the one that made it")
     parser.add_argument("--context", metavar="FILE", help="the document, compressed once at start")
     parser.add_argument("--cache", metavar="DIR", help="a cache saved by compress --save (no prefill, no scoring)")
     parser.add_argument("--ratio", type=float, help="with --context: fraction of context KV pairs kept")
     options.add_method(parser)
-    parser.add_argument("--room", type=int, default=1024, help="with --context: tokens of conversation the "
-                        "compressed cache has room for")
+    parser.add_argument(
+        "--room",
+        type=int,
+        default=1024,
+        help="with --context: tokens of conversation the compressed cache has room for",
+    )
     options.add_max_new_tokens(parser, 256)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     options.add_kv_bits(parser, saved=True)

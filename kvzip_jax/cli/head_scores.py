@@ -39,14 +39,20 @@ def run(args: argparse.Namespace) -> int:
     scores = head_level.head_scores(model.params, model.cfg, model.tokenizer, text, args.tokens, args.chunk_size)
     seconds = time.perf_counter() - start
     used = len(tokens) - prefix_len
-    meta = {"model": model.name, "sample": args.text or head_level.SAMPLE_DESCRIPTION, "tokens": used,
-            "chunk_size": args.chunk_size}
+    meta = {
+        "model": model.name,
+        "sample": args.text or head_level.SAMPLE_DESCRIPTION,
+        "tokens": used,
+        "chunk_size": args.chunk_size,
+    }
     path = head_level.save_head_scores(target, scores, meta)
     finite = scores[np.isfinite(scores)]
     fixed = int(np.isinf(scores).any(axis=1).sum())
-    print(f"head scores {list(scores.shape)} (layers x KV heads) of {model.name} from {used} sample tokens in "
-          f"{seconds:.1f} s (including compilation): min {finite.min():.3f}, median {np.median(finite):.3f}, "
-          f"max {finite.max():.3f}" + (f"; {fixed} non-evicted layers stored as null" if fixed else ""))
+    print(
+        f"head scores {list(scores.shape)} (layers x KV heads) of {model.name} from {used} sample tokens in "
+        f"{seconds:.1f} s (including compilation): min {finite.min():.3f}, median {np.median(finite):.3f}, "
+        f"max {finite.max():.3f}" + (f"; {fixed} non-evicted layers stored as null" if fixed else "")
+    )
     print(f"wrote {path}")
     return 0
 
@@ -54,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
 def add_parser(subparsers) -> None:
     from kvzip_jax.kvzip.head_level import DEFAULT_TOKENS
 
-    parser = subparsers.add_parser("head-scores", help="compute a model's per-(layer, KV head) scores once, for "
-                                   "--level head (saved beside the checkpoint)")
+    parser = subparsers.add_parser(
+        "head-scores",
+        help="compute a model's per-(layer, KV head) scores once, for --level head (saved beside the checkpoint)",
+    )
     options.add_model(parser)
     parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="sample tokens to score")
     parser.add_argument("--text", metavar="FILE", help="sample text (default: standard-library module docstrings)")

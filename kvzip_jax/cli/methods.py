@@ -13,10 +13,12 @@ def run(args: argparse.Namespace) -> int:
         print(methods.table())
         return 0
     method = methods.get(args.name)
-    print(f"{method.name}: {method.description}\n"
-          f"family: {method.family} ({methods.FAMILIES[method.family]})\n"
-          f"sees the question: {'yes' if method.question_aware else 'no'}\npaper: {method.paper}\n"
-          f"inputs: {', '.join(method.needs) or 'none'} (needed); {', '.join(method.uses) or 'none'} (used if given)")
+    print(
+        f"{method.name}: {method.description}\n"
+        f"family: {method.family} ({methods.FAMILIES[method.family]})\n"
+        f"sees the question: {'yes' if method.question_aware else 'no'}\npaper: {method.paper}\n"
+        f"inputs: {', '.join(method.needs) or 'none'} (needed); {', '.join(method.uses) or 'none'} (used if given)"
+    )
     print("options:" + "".join(f"\n  {name} = {value!r}" for name, value in method.option_defaults().items()))
     return 0
 

@@ -36,17 +36,26 @@ def add_method(parser) -> None:
     from kvzip_jax import methods
 
     agnostic = [name for name in methods.names() if not methods.get(name).question_aware]
-    parser.add_argument("--method", choices=agnostic, default="kvzip", help="how the cache is compressed, once, "
-                        f"before any question: {', '.join(agnostic)} (default kvzip; kvzip-jax methods describes "
-                        "them)")
+    parser.add_argument(
+        "--method",
+        choices=agnostic,
+        default="kvzip",
+        help="how the cache is compressed, once, "
+        f"before any question: {', '.join(agnostic)} (default kvzip; kvzip-jax methods describes "
+        "them)",
+    )
 
 
 def add_chunk_size(parser, note: str = "") -> None:
     """--chunk-size, KVzip's reread chunk in tokens; note: what else the help says it sets."""
     from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
 
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK,
-                        help=f"KVzip reread chunk (tokens{'; ' + note if note else ''})")
+    parser.add_argument(
+        "--chunk-size",
+        type=int,
+        default=DEFAULT_CHUNK,
+        help=f"KVzip reread chunk (tokens{'; ' + note if note else ''})",
+    )
 
 
 def instruction(args) -> str | None:
@@ -64,20 +73,40 @@ def add_kv_bits(parser, saved: bool = False) -> None:
     """--kv-bits, --kv-group, --kv-window: quantize the compressed cache's kept pairs. saved: for commands that
     answer from a saved cache (ask, chat --cache), where the default is the cache as saved."""
     note = "default: as the cache was saved; 8 or 4 quantize an unquantized one now" if saved else "default 16"
-    parser.add_argument("--kv-bits", type=int, choices=KV_BITS, default=None if saved else 16,
-                        help=f"bits of the kept keys and values: 16 keeps the model's dtype, 8 and 4 quantize them "
-                             f"per token in groups ({note})")
-    parser.add_argument("--kv-group", type=int, default=None, help="--kv-bits 8 / 4: elements per scale and zero "
-                        "point (default 64 for int8, 16 for int4; the head dim when it is smaller)")
-    parser.add_argument("--kv-window", type=int, default=KV_WINDOW, help="--kv-bits 8 / 4: recent tokens (the "
-                        "questions and answers) kept at full precision before they are quantized")
+    parser.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=KV_BITS,
+        default=None if saved else 16,
+        help=f"bits of the kept keys and values: 16 keeps the model's dtype, 8 and 4 quantize them "
+        f"per token in groups ({note})",
+    )
+    parser.add_argument(
+        "--kv-group",
+        type=int,
+        default=None,
+        help="--kv-bits 8 / 4: elements per scale and zero "
+        "point (default 64 for int8, 16 for int4; the head dim when it is smaller)",
+    )
+    parser.add_argument(
+        "--kv-window",
+        type=int,
+        default=KV_WINDOW,
+        help="--kv-bits 8 / 4: recent tokens (the "
+        "questions and answers) kept at full precision before they are quantized",
+    )
     add_kv_center(parser)
 
 
 def add_kv_center(parser) -> None:
-    parser.add_argument("--kv-center", action=argparse.BooleanOptionalAction, default=True, help="--kv-bits 8 / 4: "
-                        "centre each head's keys per channel before quantizing them (exact; default on: a channel "
-                        "far from 0 on every token would otherwise spend the levels of its group)")
+    parser.add_argument(
+        "--kv-center",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="--kv-bits 8 / 4: "
+        "centre each head's keys per channel before quantizing them (exact; default on: a channel "
+        "far from 0 on every token would otherwise spend the levels of its group)",
+    )
 
 
 def kv_format(args):
@@ -96,8 +125,12 @@ def add_runtime(parser, saved_dtype_help: str | None = None) -> None:
     """--dtype and --attention-impl. saved_dtype_help: for commands that answer from a saved cache (ask, chat), whose
     --dtype defaults to the cache's: its help, and the attention help speaks of decoding only."""
     if saved_dtype_help is None:
-        parser.add_argument("--dtype", choices=dtypes.CHOICES, default="auto",
-                            help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)")
+        parser.add_argument(
+            "--dtype",
+            choices=dtypes.CHOICES,
+            default="auto",
+            help="params and cache precision (auto: bfloat16 on GPU and TPU, float32 on CPU)",
+        )
         impl_help = "decode attention and KVzip's score reduction (auto: Pallas on CUDA GPUs, else XLA)"
     else:
         parser.add_argument("--dtype", choices=dtypes.CHOICES, help=saved_dtype_help)

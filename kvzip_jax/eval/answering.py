@@ -38,19 +38,21 @@ def pad_rows(rows: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.array([len(r) for r in rows], np.int32)
     block = np.zeros((len(rows), -(-int(lengths.max()) // 16) * 16), np.int32)
     for b, row in enumerate(rows):
-        block[b, :len(row)] = row
+        block[b, : len(row)] = row
     return block, lengths
 
 
 def _advanced(to: kv.CacheMark, count: np.ndarray) -> kv.CacheMark:
     """The mark `count` [B] tokens after `to` (valid once those tokens are written)."""
     count = jnp.asarray(count, jnp.int32)
-    return dataclasses.replace(to, lengths=tuple(lengths + count[:, None] for lengths in to.lengths),
-                               next_position=to.next_position + count)
+    return dataclasses.replace(
+        to, lengths=tuple(lengths + count[:, None] for lengths in to.lengths), next_position=to.next_position + count
+    )
 
 
-def answer(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], max_new_tokens: int,
-           stop_tokens) -> tuple[Answers, kv.KVCache]:
+def answer(
+    params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], max_new_tokens: int, stop_tokens
+) -> tuple[Answers, kv.KVCache]:
     """Greedy answers to one suffix per row. Returns (answers, the cache as it was). The cache is donated."""
     before = kv.mark(cache)
     logits, cache = gen.prefill(params, cfg, suffixes, cache)
@@ -58,8 +60,15 @@ def answer(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], max_new_t
     return Answers(tokens), kv.rewind(cache, before)
 
 
-def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], forced: list[list[int]],
-                  max_new_tokens: int, stop_tokens) -> tuple[Answers, kv.KVCache]:
+def answer_forced(
+    params,
+    cfg,
+    cache: kv.KVCache,
+    suffixes: list[np.ndarray],
+    forced: list[list[int]],
+    max_new_tokens: int,
+    stop_tokens,
+) -> tuple[Answers, kv.KVCache]:
     """Teacher-forced logits over `forced` answers (one per row, e.g. the full cache's greedy answers) and this
     cache's own greedy answers, from one forward of [suffix | forced
     answer] per row (max_new_tokens 0: logits only). Returns (answers, the cache as it was). Donates the cache.
@@ -81,9 +90,10 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
     A = int(answer_len.max())
     at = suffix_len[:, None] - 1 + np.arange(-(-(A + 1) // 8) * 8)[None, :]  # [B, P >= A + 1]
     at = np.minimum(at, block.shape[1] - 1).astype(np.int32)
-    logits, cache = gen.forward_step(params, jnp.asarray(block), jnp.asarray(lengths), cache, cfg, logits="at",
-                                     at=jnp.asarray(at))
-    next_logits = logits[:, :A + 1]  # [B, A + 1, V]
+    logits, cache = gen.forward_step(
+        params, jnp.asarray(block), jnp.asarray(lengths), cache, cfg, logits="at", at=jnp.asarray(at)
+    )
+    next_logits = logits[:, : A + 1]  # [B, A + 1, V]
     forced_logits = next_logits[:, :A]  # [B, A, V]
     valid = np.arange(A)[None, :] < answer_len[:, None]  # [B, A]
     if max_new_tokens == 0:
@@ -91,7 +101,7 @@ def answer_forced(params, cfg, cache: kv.KVCache, suffixes: list[np.ndarray], fo
 
     forced_ids = np.full((len(forced), A), -1, np.int32)  # [B, A]
     for b, a in enumerate(forced):
-        forced_ids[b, :len(a)] = a
+        forced_ids[b, : len(a)] = a
     differs = (to_host(jnp.argmax(forced_logits, axis=-1)) != forced_ids) & valid  # [B, A]
     first = np.where(differs.any(axis=1), differs.argmax(axis=1), answer_len)  # [B] first disagreement
     # Tokens through each forced answer's first stop token (answer_len + 1 when it has none).
@@ -138,12 +148,11 @@ def _decode_rows(params, cfg, start, cache: kv.KVCache, budget: np.ndarray, stop
             stop = jax.nn.one_hot(stop_tokens[0], logits.shape[-1]) * 1e9
             logits = jnp.where(jnp.asarray(decoding)[:, None], logits, stop)
         steps = min(SEGMENT, max(int(budget[b]) - len(tokens[b]) for b in live))
-        out, work, logits = gen.decode(params, cfg, logits, work, steps, stop_tokens=stop_tokens,
-                                       return_logits=True)
+        out, work, logits = gen.decode(params, cfg, logits, work, steps, stop_tokens=stop_tokens, return_logits=True)
         if in_place:
             cache = work
         for b in live:
-            new = out[where[b]][:int(budget[b]) - len(tokens[b])]
+            new = out[where[b]][: int(budget[b]) - len(tokens[b])]
             tokens[b] += new
             if len(tokens[b]) == budget[b] or (new and new[-1] in stop_tokens) or len(new) < steps:
                 done.add(b)

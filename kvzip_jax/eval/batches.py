@@ -55,8 +55,7 @@ def prepare(tokenizer, examples: Sequence[Example], instruction: str | None = No
     instruction: opens every user message before the context (prompts.build_prompt)."""
     items = []
     for ex in examples:
-        context, suffixes = prompts.split_for_reuse(tokenizer, ex.context, list(ex.questions),
-                                                    instruction=instruction)
+        context, suffixes = prompts.split_for_reuse(tokenizer, ex.context, list(ex.questions), instruction=instruction)
         items.append((ex, context, tuple(suffixes)))
     return sorted(items, key=lambda item: (item[0].task, len(item[1]), item[0].id))
 
@@ -68,8 +67,11 @@ def groups_of(items: Sequence[Item], batch_size: int) -> list[tuple[Item, ...]]:
     by_task: dict[str, list] = {}
     for item in items:
         by_task.setdefault(item[0].task, []).append(item)
-    return [tuple(rows[start:start + batch_size]) for task, rows in sorted(by_task.items())
-            for start in range(0, len(rows), batch_size)]
+    return [
+        tuple(rows[start : start + batch_size])
+        for task, rows in sorted(by_task.items())
+        for start in range(0, len(rows), batch_size)
+    ]
 
 
 def padded(group: Sequence[Item], size: int) -> Batch:

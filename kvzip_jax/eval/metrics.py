@@ -114,8 +114,9 @@ def log_probs(logits: jax.Array) -> jax.Array:
     return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
 
-def divergence_from(full_log_probs: jax.Array, compressed_logits: jax.Array, valid: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
+def divergence_from(
+    full_log_probs: jax.Array, compressed_logits: jax.Array, valid: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """next_token_divergence with the full side given as log_probs(full_logits) [B, T, V]: a sweep computes it once
     per question and reuses it for every compressed cache."""
     if full_log_probs.shape != compressed_logits.shape or full_log_probs.ndim != 3:

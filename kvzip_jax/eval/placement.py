@@ -19,8 +19,7 @@ def replicate(tree, mesh: Mesh):
     """Every leaf whole on every device of the mesh; a tree already placed so is returned as it is (no second copy
     of the params on a one-device mesh)."""
     devices = set(mesh.devices.flat)
-    placed = lambda x: (isinstance(x, jax.Array) and x.sharding.device_set == devices
-                        and x.sharding.is_fully_replicated)
+    placed = lambda x: isinstance(x, jax.Array) and x.sharding.device_set == devices and x.sharding.is_fully_replicated
     if all(placed(x) for x in jax.tree.leaves(tree)):
         return tree
     target = sharding.replicated(mesh)

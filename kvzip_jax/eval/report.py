@@ -81,8 +81,10 @@ def markdown_table(rows: Sequence[dict], value: str = "normalised") -> str:
         if v is not None and shown in ("normalised", "agree") and r.get(f"{shown}_lo") is not None:
             text += f" [{r[f'{shown}_lo']:.0f}, {r[f'{shown}_hi']:.0f}]"
         cells[r["task"], r["method"], r["mode"]][r["ratio"]] = text
-    lines = ["| task | method | mode | " + " | ".join(str(x) for x in ratios) + " |",
-             "|---|---|---|" + "---:|" * len(ratios)]
+    lines = [
+        "| task | method | mode | " + " | ".join(str(x) for x in ratios) + " |",
+        "|---|---|---|" + "---:|" * len(ratios),
+    ]
     for key, by_ratio in cells.items():
         lines.append("| " + " | ".join(key) + " | " + " | ".join(by_ratio.get(x, "-") for x in ratios) + " |")
     return "\n".join(lines) + "\n"
@@ -109,11 +111,13 @@ def _write_text(path: str | os.PathLike, text: str) -> Path:
 
 def write_csv(rows: Sequence[dict], path: str | os.PathLike) -> Path:
     """The summary rows as CSV (COLUMNS; None as an empty cell), written atomically."""
+
     def write(tmp: Path) -> None:
         with tmp.open("w", newline="", encoding="utf-8") as f:
             w = csv.DictWriter(f, COLUMNS, extrasaction="ignore")
             w.writeheader()
             w.writerows({k: "" if r[k] is None else r[k] for k in COLUMNS} for r in rows)
+
     return write_atomic(path, write)
 
 
@@ -144,8 +148,9 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
                 ax.axhline(v, color="black", linestyle="--", linewidth=1, label="full cache")
             else:
                 low, high = r.get(f"{value}_lo"), r.get(f"{value}_hi")
-                lines[r["method"], r["mode"]].append((r["ratio"], v, v if low is None else low,
-                                                      v if high is None else high))
+                lines[r["method"], r["mode"]].append(
+                    (r["ratio"], v, v if low is None else low, v if high is None else high)
+                )
         for (method, mode), pts in lines.items():
             xs, ys, lows, highs = zip(*sorted(pts, reverse=True))
             color = colors[method, mode]
@@ -156,7 +161,7 @@ def plot(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalised
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="small")
-    for ax in axes[len(tasks):]:
+    for ax in axes[len(tasks) :]:
         ax.set_visible(False)
     return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
@@ -179,21 +184,30 @@ def pareto(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalis
     bases = list(dict.fromkeys(method.split("+")[0] for method, _ in series))
     for ax, task in zip(axes, tasks):
         for method, mode in series:
-            pts = sorted((r["bytes_share"], r[value]) for r in points
-                         if (r["task"], r["method"], r["mode"]) == (task, method, mode))
+            pts = sorted(
+                (r["bytes_share"], r[value])
+                for r in points
+                if (r["task"], r["method"], r["mode"]) == (task, method, mode)
+            )
             if not pts:
                 continue
             xs, ys = zip(*pts)
             base, _, bits = method.partition("+")
             style = {"": "-", "int8": "--", "int4": ":"}[bits]
-            ax.plot(xs, ys, marker="s" if method == "full" else "o", markersize=4, linestyle=style,
-                    color=palette[bases.index(base) % len(palette)],
-                    label=method if mode in ("reuse", "full") else f"{method} ({mode})")
+            ax.plot(
+                xs,
+                ys,
+                marker="s" if method == "full" else "o",
+                markersize=4,
+                linestyle=style,
+                color=palette[bases.index(base) % len(palette)],
+                label=method if mode in ("reuse", "full") else f"{method} ({mode})",
+            )
         ax.set_xscale("log")
         ax.set(title=task, xlabel="bytes of the kept pairs (% of the full cache's)", ylabel=VALUES[value][0])
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize="x-small")
-    for ax in axes[len(tasks):]:
+    for ax in axes[len(tasks) :]:
         ax.set_visible(False)
     return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120))
 
@@ -208,13 +222,17 @@ def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> d
     rows = summarize(records)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    note = ("Full-cache rows: the full cache's raw score (%). Brackets: 95% intervals (normalised scores: bootstrap "
-            "over contexts; agreement: Wilson).\n\n")
+    note = (
+        "Full-cache rows: the full cache's raw score (%). Brackets: 95% intervals (normalised scores: bootstrap "
+        "over contexts; agreement: Wilson).\n\n"
+    )
     sections = [f"# {records[0]['model']}: {len(records)} answers ({Path(jsonl_path).name})\n"]
-    for value, heading in (("normalised", "Score normalised by the full cache's (%)"),
-                           ("agree", "Answers equal to the full cache's (%)"),
-                           ("kl", "Next-token KL(full || compressed), teacher-forced"),
-                           ("bytes_share", "Bytes of the kept pairs (% of the full cache's)")):
+    for value, heading in (
+        ("normalised", "Score normalised by the full cache's (%)"),
+        ("agree", "Answers equal to the full cache's (%)"),
+        ("kl", "Next-token KL(full || compressed), teacher-forced"),
+        ("bytes_share", "Bytes of the kept pairs (% of the full cache's)"),
+    ):
         if any(r[value] is not None for r in rows):
             sections.append(f"## {heading}\n\n{note}{markdown_table(rows, value)}")
     written = {

@@ -49,8 +49,9 @@ class SweepMismatchError(KvzipError):
 
 def record_key(record: dict) -> tuple:
     """What identifies one answer of a sweep."""
-    return tuple(record[field] if field not in KEY_DEFAULTS else record.get(field, KEY_DEFAULTS[field])
-                 for field in KEY_FIELDS)
+    return tuple(
+        record[field] if field not in KEY_DEFAULTS else record.get(field, KEY_DEFAULTS[field]) for field in KEY_FIELDS
+    )
 
 
 def fingerprint(settings: dict) -> str:
@@ -66,7 +67,7 @@ def results_name(index: int = 0, count: int = 1) -> str:
 def plain_path(path: str | os.PathLike) -> Path:
     """A results file's plain name: path without a trailing .gz."""
     path = Path(path)
-    return path.with_name(path.name[:-len(PACKED)]) if path.name.endswith(PACKED) else path
+    return path.with_name(path.name[: -len(PACKED)]) if path.name.endswith(PACKED) else path
 
 
 def packed_path(path: str | os.PathLike) -> Path:
@@ -129,7 +130,7 @@ def compress(path: str | os.PathLike) -> Path:
 
 def _complete(data: bytes) -> bytes:
     """data up to its last newline: without the partial last line an interrupted write leaves."""
-    return data[:data.rfind(b"\n") + 1]
+    return data[: data.rfind(b"\n") + 1]
 
 
 def _records(path: Path, complete: bytes, config: str | None) -> list[dict]:
@@ -144,8 +145,10 @@ def _records(path: Path, complete: bytes, config: str | None) -> list[dict]:
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{number}: not a sweep record ({e})") from None
             if config is not None and record.get("config") != config:
-                raise SweepMismatchError(f"{path}:{number}: a record of other sweep settings (fingerprint "
-                                         f"{record.get('config')}, not {config})")
+                raise SweepMismatchError(
+                    f"{path}:{number}: a record of other sweep settings (fingerprint "
+                    f"{record.get('config')}, not {config})"
+                )
             records.append(record)
     return records
 
@@ -190,13 +193,17 @@ def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
         other = _read_settings(path)
         if other != settings:
             differ = _differences(other, settings, "there", f"in {files[0].name}")
-            raise SweepMismatchError(f"{path} holds the results of other sweep settings than {files[0].name} "
-                                     f"({differ}): merge only the shares of one sweep")
+            raise SweepMismatchError(
+                f"{path} holds the results of other sweep settings than {files[0].name} "
+                f"({differ}): merge only the shares of one sweep"
+            )
         for record in _records(path, _complete(read_bytes(path)), config):
             held = examples.setdefault((record["task"], record["example"]), (record.get("example_hash"), path))
             if held[0] != record.get("example_hash"):
-                raise SweepMismatchError(f"{path} and {held[1]} hold answers to different examples under "
-                                         f"{record['task']}/{record['example']}: merge only the shares of one sweep")
+                raise SweepMismatchError(
+                    f"{path} and {held[1]} hold answers to different examples under "
+                    f"{record['task']}/{record['example']}: merge only the shares of one sweep"
+                )
             by_key.setdefault(record_key(record), record)
     return settings, [by_key[k] for k in sorted(by_key)]
 
@@ -240,8 +247,10 @@ class ResultsFile:
     def _check_settings(self, settings: dict) -> None:
         if not self.settings_path.exists():
             if any(p.exists() and p.stat().st_size for p in (self.path, packed_path(self.path))):
-                raise SweepMismatchError(f"{self.path} holds records without a settings file (written by an earlier "
-                                         f"kvzip-jax): write this sweep to another folder")
+                raise SweepMismatchError(
+                    f"{self.path} holds records without a settings file (written by an earlier "
+                    f"kvzip-jax): write this sweep to another folder"
+                )
             if self.write:
                 _write_atomically(self.settings_path, json.dumps(settings, indent=1, sort_keys=True))
             return
@@ -250,9 +259,11 @@ class ResultsFile:
         except ValueError as e:
             raise SweepMismatchError(f"{self.settings_path}: unreadable settings ({e})") from None
         if stored != settings:
-            raise SweepMismatchError(f"{self.path} holds the results of other sweep settings "
-                                     f"({_differences(stored, settings, 'there', 'now')}): write this sweep to "
-                                     f"another folder, or remove that one")
+            raise SweepMismatchError(
+                f"{self.path} holds the results of other sweep settings "
+                f"({_differences(stored, settings, 'there', 'now')}): write this sweep to "
+                f"another folder, or remove that one"
+            )
 
     def _repair_and_read(self) -> None:
         if self.path.exists() and self.write:  # cut off the partial last line of an interrupted write
@@ -269,9 +280,11 @@ class ResultsFile:
         """Raises SweepMismatchError if the file holds answers to another example under the same task and id."""
         held = self.examples.get((task, example))
         if held is not None and held != example_hash:
-            raise SweepMismatchError(f"{self.path} holds answers to another example {task}/{example} (its context, "
-                                     f"questions or answers differ: another --seed, --context-tokens or JSONL "
-                                     f"file?): write this sweep to another folder")
+            raise SweepMismatchError(
+                f"{self.path} holds answers to another example {task}/{example} (its context, "
+                f"questions or answers differ: another --seed, --context-tokens or JSONL "
+                f"file?): write this sweep to another folder"
+            )
 
     def append(self, records: list[dict]) -> None:
         """Writes records in one write + fsync (unless write is False) and marks their keys done."""

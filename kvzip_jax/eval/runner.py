@@ -23,8 +23,10 @@ from kvzip_jax.eval.batches import Batch, example_hash
 from kvzip_jax.eval.results import ResultsFile
 from kvzip_jax.weights.identity import package_version
 
-VERSIONS = {package: package_version(package)  # the packages that compute an answer (every record carries them)
-            for package in ("kvzip-jax", "jax", "jaxlib", "flax", "numpy", "transformers")}
+VERSIONS = {
+    package: package_version(package)  # the packages that compute an answer (every record carries them)
+    for package in ("kvzip-jax", "jax", "jaxlib", "flax", "numpy", "transformers")
+}
 FULL = "full"
 
 _kvzip_scores = jax.jit(kvzip.score)
@@ -89,7 +91,7 @@ class SharedInputs:
         n_pad = -(-int(self.context_len.max()) // 64) * 64
         tokens = np.zeros((len(self._rows), n_pad), np.int32)  # [B, n] right-padded
         for b, row in enumerate(self._rows):
-            tokens[b, :len(row)] = row
+            tokens[b, : len(row)] = row
         return jnp.asarray(tokens)
 
     def _key(self) -> jax.Array:
@@ -104,14 +106,28 @@ class SharedInputs:
         sweep, config = self._sweep, self._sweep.config
         if not config.self_study:
             return None
-        return matching.self_study.probes(sweep.params, sweep.model.cfg, sweep.model.tokenizer, self._cache,
-                                          samples=config.self_study_samples, max_new_tokens=config.self_study_tokens)
+        return matching.self_study.probes(
+            sweep.params,
+            sweep.model.cfg,
+            sweep.model.tokenizer,
+            self._cache,
+            samples=config.self_study_samples,
+            max_new_tokens=config.self_study_tokens,
+        )
 
     def _queries(self) -> matching.ReferenceQueries:
         sweep = self._sweep
         sources = ("repeat", "self-study") if sweep.config.self_study else ("repeat",)
-        return _reference_queries(sweep.params, sweep.model.cfg, self._cache, self._field("reread"), sources,
-                                  sweep.config.query_cap, with_scores=True, probes=self._field("probes"))
+        return _reference_queries(
+            sweep.params,
+            sweep.model.cfg,
+            self._cache,
+            self._field("reread"),
+            sources,
+            sweep.config.query_cap,
+            with_scores=True,
+            probes=self._field("probes"),
+        )
 
     def _kvzip_scores(self) -> jax.Array:
         """[L, B, K, n]: from the reference queries' pass when a method of the sweep reads them (the same pass)."""
@@ -124,8 +140,15 @@ class Sweep:
     """Runs batches for one model and config, appending records to a ResultsFile. Each method's options are
     resolved for the model once (methods.Method.options_for: a missing budget profile fails here, before any work)."""
 
-    def __init__(self, model, config, results: ResultsFile, mesh=None,
-                 on_answers: Callable[[int], None] = lambda n: None, fingerprint: str | None = None):
+    def __init__(
+        self,
+        model,
+        config,
+        results: ResultsFile,
+        mesh=None,
+        on_answers: Callable[[int], None] = lambda n: None,
+        fingerprint: str | None = None,
+    ):
         self.model, self.config, self.results, self.fingerprint = model, config, results, fingerprint
         self.options = {name: methods.get(name).options_for(model.name, model.cfg) for name in config.methods}
         self.mesh = mesh or sharding.data_mesh()
@@ -146,26 +169,37 @@ class Sweep:
 
     def pending(self, batch: Batch, method: str, mode: str, ratio: float, bits: int | None = None) -> bool:
         """Whether an answer of the configuration (at any of the sweep's kv bits when bits is None) is missing."""
-        return any((ex.task, ex.id, method, mode, ratio, i, b) not in self.results.done
-                   for b in ((bits,) if bits is not None else self.config.kv_bits)
-                   for ex in batch.examples for i in range(len(ex.questions)))
+        return any(
+            (ex.task, ex.id, method, mode, ratio, i, b) not in self.results.done
+            for b in ((bits,) if bits is not None else self.config.kv_bits)
+            for ex in batch.examples
+            for i in range(len(ex.questions))
+        )
 
     def answers_pending(self, batch: Batch) -> int:
-        return sum(sum(len(ex.questions) for ex in batch.examples) for c in self.configurations()
-                   if self.pending(batch, *c))
+        return sum(
+            sum(len(ex.questions) for ex in batch.examples) for c in self.configurations() if self.pending(batch, *c)
+        )
 
     # -- running ------------------------------------------------------------------------------------------------
     def run(self, batch: Batch, capacity: int) -> None:
         if not any(self.pending(batch, *c) for c in self.configurations()):
             return
-        empty = placement.split_batch(kv.init_cache(self.model.cfg, batch.size, capacity,
-                                                    dtypes.of_params(self.params)), self.mesh)
+        empty = placement.split_batch(
+            kv.init_cache(self.model.cfg, batch.size, capacity, dtypes.of_params(self.params)), self.mesh
+        )
         _, cache = gen.prefill(self.params, self.model.cfg, [c.ids() for c in batch.contexts], empty)
 
         start = time.perf_counter()
         full = self._full_answers(batch, cache)
-        self._record(batch, (FULL, FULL, 1.0, 16), full, full, time.perf_counter() - start,
-                     kv.row_bytes(cache, placement.to_host))
+        self._record(
+            batch,
+            (FULL, FULL, 1.0, 16),
+            full,
+            full,
+            time.perf_counter() - start,
+            kv.row_bytes(cache, placement.to_host),
+        )
         for bits in self.config.kv_bits:
             if bits != 16 and self.pending(batch, FULL, FULL, 1.0, bits):  # quantization alone
                 self._answer_quantized(batch, (FULL, FULL, 1.0, bits), cache, range(batch.num_questions), full)
@@ -190,15 +224,22 @@ class Sweep:
                 if not self.pending(batch, *key):
                     continue
                 start = time.perf_counter()
-                compressed = method.jitted_finish(self.params, self.model.cfg, cache, inputs, state, float(ratio),
-                                                  options)
+                compressed = method.jitted_finish(
+                    self.params, self.model.cfg, cache, inputs, state, float(ratio), options
+                )
                 if self.pending(batch, *key, 16):
                     if keeps_everything(compressed, cache):  # the same computation gives the same answers
                         got = {i: full[i] for i in asked}
                     else:
                         got = self._compressed_answers(batch, compressed, asked, full)
-                    self._record(batch, (*key, 16), got, full, time.perf_counter() - start,
-                                 kv.row_bytes(compressed, placement.to_host))
+                    self._record(
+                        batch,
+                        (*key, 16),
+                        got,
+                        full,
+                        time.perf_counter() - start,
+                        kv.row_bytes(compressed, placement.to_host),
+                    )
                 for bits in self.config.kv_bits:
                     if bits != 16 and self.pending(batch, *key, bits):
                         self._answer_quantized(batch, (*key, bits), compressed, asked, full)
@@ -210,8 +251,7 @@ class Sweep:
         start = time.perf_counter()
         quantized = kv.quantized(cache, self.config.kv_format(key[-1]), self.config.kv_window, self.config.kv_center)
         got = self._compressed_answers(batch, quantized, asked, full)
-        self._record(batch, key, got, full, time.perf_counter() - start,
-                     kv.row_bytes(quantized, placement.to_host))
+        self._record(batch, key, got, full, time.perf_counter() - start, kv.row_bytes(quantized, placement.to_host))
 
     def _full_answers(self, batch: Batch, cache: kv.KVCache) -> dict[int, dict]:
         """Per question: the full cache's step-by-step greedy draft, then its answer and teacher-forced
@@ -221,10 +261,17 @@ class Sweep:
         for i in range(batch.num_questions):
             rows = batch.question_rows(i)
             draft, work = answering.answer(self.params, self.model.cfg, work, rows, batch.max_new_tokens, self.stops)
-            got, work = answering.answer_forced(self.params, self.model.cfg, work, rows, draft.tokens,
-                                                batch.max_new_tokens, self.stops)
-            out[i] = dict(tokens=got.tokens, draft=draft.tokens, log_probs=_log_probs(got.logits), valid=got.valid,
-                          kl=np.zeros(batch.size), flip=np.zeros(batch.size))
+            got, work = answering.answer_forced(
+                self.params, self.model.cfg, work, rows, draft.tokens, batch.max_new_tokens, self.stops
+            )
+            out[i] = dict(
+                tokens=got.tokens,
+                draft=draft.tokens,
+                log_probs=_log_probs(got.logits),
+                valid=got.valid,
+                kl=np.zeros(batch.size),
+                flip=np.zeros(batch.size),
+            )
         return out
 
     def _compressed_answers(self, batch: Batch, compressed: kv.KVCache, asked, full) -> dict[int, dict]:
@@ -233,14 +280,28 @@ class Sweep:
         work = answering.copy_cache(compressed)
         out = {}
         for i in asked:
-            got, work = answering.answer_forced(self.params, self.model.cfg, work, batch.question_rows(i),
-                                                full[i]["draft"], batch.max_new_tokens, self.stops)
+            got, work = answering.answer_forced(
+                self.params,
+                self.model.cfg,
+                work,
+                batch.question_rows(i),
+                full[i]["draft"],
+                batch.max_new_tokens,
+                self.stops,
+            )
             kl, flip = _divergence(full[i]["log_probs"], got.logits, jnp.asarray(got.valid))
             out[i] = dict(tokens=got.tokens, kl=placement.to_host(kl), flip=placement.to_host(flip))
         return out
 
-    def _record(self, batch: Batch, key: tuple[str, str, float, int], got: dict[int, dict], full: dict[int, dict],
-                seconds: float, row_bytes: np.ndarray) -> None:
+    def _record(
+        self,
+        batch: Batch,
+        key: tuple[str, str, float, int],
+        got: dict[int, dict],
+        full: dict[int, dict],
+        seconds: float,
+        row_bytes: np.ndarray,
+    ) -> None:
         """Appends the answers `got` of configuration key; row_bytes [B]: the bytes of each row's kept pairs."""
         method, mode, ratio, bits = key
         tok = self.model.tokenizer
@@ -251,14 +312,30 @@ class Sweep:
                 if i >= len(ex.questions) or (ex.task, ex.id, method, mode, ratio, i, bits) in self.results.done:
                     continue
                 prediction = text(got[i]["tokens"][b])
-                records.append(dict(
-                    config=self.fingerprint, example_hash=example_hash(ex), versions=VERSIONS,
-                    model=self.model.name, task=ex.task, example=ex.id, question=i, method=method, mode=mode,
-                    ratio=ratio, kv_bits=bits, bytes=int(row_bytes[b]), prediction=prediction,
-                    references=list(ex.answers[i]), metric=ex.metric,
-                    score=metrics.score(ex.metric, prediction, ex.answers[i]),
-                    agree=prediction == text(full[i]["tokens"][b]), kl=float(got[i]["kl"][b]),
-                    flip=float(got[i]["flip"][b]), seconds=0.0))
+                records.append(
+                    dict(
+                        config=self.fingerprint,
+                        example_hash=example_hash(ex),
+                        versions=VERSIONS,
+                        model=self.model.name,
+                        task=ex.task,
+                        example=ex.id,
+                        question=i,
+                        method=method,
+                        mode=mode,
+                        ratio=ratio,
+                        kv_bits=bits,
+                        bytes=int(row_bytes[b]),
+                        prediction=prediction,
+                        references=list(ex.answers[i]),
+                        metric=ex.metric,
+                        score=metrics.score(ex.metric, prediction, ex.answers[i]),
+                        agree=prediction == text(full[i]["tokens"][b]),
+                        kl=float(got[i]["kl"][b]),
+                        flip=float(got[i]["flip"][b]),
+                        seconds=0.0,
+                    )
+                )
         for r in records:
             r["seconds"] = seconds / len(records)
         self.results.append(records)

@@ -33,8 +33,9 @@ def process_share(index: int | None = None, count: int | None = None, environ=os
             try:
                 index, count = (int(environ[name]) for name in names)
             except ValueError:
-                raise ProcessShareError(f"{names[0]}={environ[names[0]]!r}, {names[1]}={environ[names[1]]!r}: "
-                                        f"not integers") from None
+                raise ProcessShareError(
+                    f"{names[0]}={environ[names[0]]!r}, {names[1]}={environ[names[1]]!r}: not integers"
+                ) from None
         else:
             index, count = jax.process_index(), jax.process_count()
     if not 0 <= index < count:
@@ -57,5 +58,7 @@ def check_lockstep(results: ResultsFile) -> None:
     try:
         multihost_utils.assert_equal(digest)
     except AssertionError:
-        raise SweepMismatchError(f"the processes hold different answers in {results.path}: put the sweep's folder "
-                                 f"on a filesystem every process shares") from None
+        raise SweepMismatchError(
+            f"the processes hold different answers in {results.path}: put the sweep's folder "
+            f"on a filesystem every process shares"
+        ) from None

@@ -27,8 +27,24 @@ from kvzip_jax.eval import results
 
 MODES = ("full", "reuse", "first", "oracle")
 SUMMARIZED = ("model", "task", "example", "question", "method", "mode", "ratio", "score", "agree", "kl", "flip")
-COLUMNS = ("task", "method", "mode", "ratio", "n", "score", "normalised", "normalised_lo", "normalised_hi", "agree",
-           "agree_lo", "agree_hi", "kl", "flip", "bytes", "bytes_share")
+COLUMNS = (
+    "task",
+    "method",
+    "mode",
+    "ratio",
+    "n",
+    "score",
+    "normalised",
+    "normalised_lo",
+    "normalised_hi",
+    "agree",
+    "agree_lo",
+    "agree_hi",
+    "kl",
+    "flip",
+    "bytes",
+    "bytes_share",
+)
 Z95 = 1.959964  # two-sided 95% normal quantile
 RESAMPLES = 2000
 
@@ -41,8 +57,10 @@ def _check(records: Sequence[dict]) -> None:
         if r["mode"] not in MODES:
             raise ValueError(f"record {i}: mode must be one of {MODES}, got {r['mode']!r}")
         if (r["method"] == "full") != (r["mode"] == "full") or (r["method"] == "full" and r["ratio"] != 1.0):
-            raise ValueError(f"record {i}: the full cache is method 'full', mode 'full', ratio 1.0; got "
-                             f"{r['method']!r}, {r['mode']!r}, {r['ratio']!r}")
+            raise ValueError(
+                f"record {i}: the full cache is method 'full', mode 'full', ratio 1.0; got "
+                f"{r['method']!r}, {r['mode']!r}, {r['ratio']!r}"
+            )
     models = sorted({r["model"] for r in records})
     if len(models) > 1:
         raise ValueError(f"records of several models {models}; summarize one model at a time")
@@ -118,17 +136,24 @@ def summarize(records: Sequence[dict]) -> list[dict]:
         normalised = 100 * sum(s for s, _ in per_example.values()) / full_sum if full_sum else None
         interval = bootstrap_normalised(list(per_example.values())) if normalised is not None else None
         agreed = sum(bool(r["agree"]) for r in group)
-        rows.append({
-            "task": task, "method": method, "mode": mode, "ratio": ratio, "n": len(group),
-            "score": _mean(float(r["score"]) for r in group),
-            "normalised": normalised,
-            "normalised_lo": interval[0] if interval else None, "normalised_hi": interval[1] if interval else None,
-            "agree": 100 * agreed / len(group),
-            **dict(zip(("agree_lo", "agree_hi"), wilson(agreed, len(group)))),
-            "kl": _mean(float(r["kl"]) for r in group),
-            "flip": _mean(float(r["flip"]) for r in group),
-            **_bytes(group, full_bytes),
-        })
+        rows.append(
+            {
+                "task": task,
+                "method": method,
+                "mode": mode,
+                "ratio": ratio,
+                "n": len(group),
+                "score": _mean(float(r["score"]) for r in group),
+                "normalised": normalised,
+                "normalised_lo": interval[0] if interval else None,
+                "normalised_hi": interval[1] if interval else None,
+                "agree": 100 * agreed / len(group),
+                **dict(zip(("agree_lo", "agree_hi"), wilson(agreed, len(group)))),
+                "kl": _mean(float(r["kl"]) for r in group),
+                "flip": _mean(float(r["flip"]) for r in group),
+                **_bytes(group, full_bytes),
+            }
+        )
     return sorted(rows, key=_row_order)
 
 
@@ -137,5 +162,7 @@ def _bytes(group: Sequence[dict], full_bytes: dict) -> dict:
     (None without bytes in every record)."""
     if not all("bytes" in r and (r["task"], r["example"]) in full_bytes for r in group):
         return {"bytes": None, "bytes_share": None}
-    return {"bytes": _mean(r["bytes"] for r in group),
-            "bytes_share": 100 * _mean(r["bytes"] / full_bytes[r["task"], r["example"]] for r in group)}
+    return {
+        "bytes": _mean(r["bytes"] for r in group),
+        "bytes_share": 100 * _mean(r["bytes"] / full_bytes[r["task"], r["example"]] for r in group),
+    }

@@ -25,7 +25,6 @@ sweep out by batches of length-sorted contexts: process I of N takes batches[I::
 at the whole sweep's cache capacity, so its answers are the one-process sweep's.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -78,8 +77,10 @@ class SweepConfig:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.self_study and not any("probes" in methods.get(m).reads for m in self.methods):
-            raise ValueError("self_study adds reference queries of self-study turns: name a method that reads them "
-                             "(an am-* or kvzip-am method)")
+            raise ValueError(
+                "self_study adds reference queries of self-study turns: name a method that reads them "
+                "(an am-* or kvzip-am method)"
+            )
         if min(self.self_study_samples, self.self_study_tokens, self.query_cap) < 1:
             raise ValueError("self_study_samples, self_study_tokens and query_cap must be >= 1")
         if not self.kv_bits or set(self.kv_bits) - set(KV_BITS):
@@ -103,14 +104,22 @@ class SweepConfig:
     def settings(self, model) -> dict:
         """What changes an answer (results.py): the model's and tokenizer's identity and the options that shape prompt
         and scores."""
-        return dict(version=RESULTS_VERSION, model=model.name, **{f"model_{k}": v for k, v in
-                                                                  model_identity(model.cfg, model.params).items()},
-                    tokenizer=tokenizer_hash(model.tokenizer), instruction=self.instruction,
-                    chunk_size=self.chunk_size, seed=self.seed,
-                    **({"self_study": dict(samples=self.self_study_samples, max_new_tokens=self.self_study_tokens)}
-                       if self.self_study else {}),
-                    **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}),
-                    **({"kv_quant": kv_quant} if (kv_quant := self._kv_settings()) else {}))
+        return dict(
+            version=RESULTS_VERSION,
+            model=model.name,
+            **{f"model_{k}": v for k, v in model_identity(model.cfg, model.params).items()},
+            tokenizer=tokenizer_hash(model.tokenizer),
+            instruction=self.instruction,
+            chunk_size=self.chunk_size,
+            seed=self.seed,
+            **(
+                {"self_study": dict(samples=self.self_study_samples, max_new_tokens=self.self_study_tokens)}
+                if self.self_study
+                else {}
+            ),
+            **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}),
+            **({"kv_quant": kv_quant} if (kv_quant := self._kv_settings()) else {}),
+        )
 
     def _kv_settings(self) -> dict:
         """The quantization options that differ from those of results made before keys were centred (groups of 64
@@ -120,12 +129,22 @@ class SweepConfig:
             return {}
         groups = self.kv_group if self.kv_group is not None else {str(b): g for b, g in quant.DEFAULT_GROUP.items()}
         layout = (groups, self.kv_window) != (64, kv.WINDOW)
-        return {**(dict(group=groups, window=self.kv_window) if layout else {}),
-                **({"center": True} if self.kv_center else {})}
+        return {
+            **(dict(group=groups, window=self.kv_window) if layout else {}),
+            **({"center": True} if self.kv_center else {}),
+        }
 
 
-def run_sweep(model, examples: Sequence[Example], config: SweepConfig, results_path, progress: bool = True,
-              mesh=None, share: tuple[int, int] = (0, 1), write: bool = True) -> ResultsFile:
+def run_sweep(
+    model,
+    examples: Sequence[Example],
+    config: SweepConfig,
+    results_path,
+    progress: bool = True,
+    mesh=None,
+    share: tuple[int, int] = (0, 1),
+    write: bool = True,
+) -> ResultsFile:
     """Runs every pending answer of the sweep, appending to results_path (resumes a partial file of the same
     settings; raises results.SweepMismatchError for a file of other settings or other examples).
     mesh: default sharding.data_mesh(); every batch is padded to a multiple of its data axis. share (index, count):

@@ -15,6 +15,23 @@ from kvzip_jax.kvzip.scoring import (
 
 evict = keep_mask
 
-__all__ = ["LEVELS", "VARIANTS", "CacheLayoutError", "HeadScoresError", "KVzipConfig", "RatioError", "RereadInputs",
-           "check_context_cache", "evict", "head_keep", "head_scores", "keep_mask", "kept_count", "load_head_scores",
-           "reread_inputs", "save_head_scores", "score", "score_and_evict"]
+__all__ = [
+    "LEVELS",
+    "VARIANTS",
+    "CacheLayoutError",
+    "HeadScoresError",
+    "KVzipConfig",
+    "RatioError",
+    "RereadInputs",
+    "check_context_cache",
+    "evict",
+    "head_keep",
+    "head_scores",
+    "keep_mask",
+    "kept_count",
+    "load_head_scores",
+    "reread_inputs",
+    "save_head_scores",
+    "score",
+    "score_and_evict",
+]

@@ -88,7 +88,7 @@ def select_top(scores: jax.Array, counts: jax.Array, axes: tuple[int, ...]) -> j
         return top_counts_sharded(scores, counts, axes, mesh, spec_for(mesh, SCORES, scores.shape))
     order = tuple(d for d in range(scores.ndim) if d not in axes) + tuple(axes)  # rows first, competing last
     moved = scores.transpose(order)
-    row_shape = moved.shape[:scores.ndim - len(axes)]
+    row_shape = moved.shape[: scores.ndim - len(axes)]
     row_counts = jnp.broadcast_to(counts, [1 if d in axes else n for d, n in enumerate(scores.shape)])
     keep = top_counts(moved.reshape(row_shape + (-1,)), row_counts.transpose(order).reshape(row_shape))
     return keep.reshape(moved.shape).transpose(tuple(np.argsort(order)))

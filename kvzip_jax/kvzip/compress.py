@@ -37,8 +37,9 @@ class KVzipConfig:
             raise ValueError(f"variant must be one of {VARIANTS}, got {self.variant!r}")
 
 
-def score_and_evict(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, ratio,
-                    config: KVzipConfig = KVzipConfig()):
+def score_and_evict(
+    params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, ratio, config: KVzipConfig = KVzipConfig()
+):
     """Scores the context pairs of cache ([prefix | context] per row) and masks all but a `ratio` of them.
 
     Returns (masked cache, scores [L, B, K, n]). One scoring pass serves any number of ratios: call

@@ -20,8 +20,9 @@ from kvzip_jax.kvzip.budget import check_candidates, check_ratio, kept_count, se
 LEVELS = ("pair", "pair-uniform", "layer", "head")
 
 
-def keep_mask(scores: jax.Array, context_len: jax.Array, ratio, level: str = "pair",
-              evictable: tuple[int, ...] | None = None) -> jax.Array:
+def keep_mask(
+    scores: jax.Array, context_len: jax.Array, ratio, level: str = "pair", evictable: tuple[int, ...] | None = None
+) -> jax.Array:
     """keep [L, B, K, n] bool for scores [L, B, K, n] (columns past context_len [B] are never kept).
 
     evictable: the layers whose pairs compete (default all); the others keep their whole context (Gemma 3's

@@ -44,11 +44,34 @@ from kvzip_jax.kvzip.scoring import (
 FILENAME = "head_scores.json"
 DEFAULT_TOKENS = 4096
 # Prose-rich docstrings first; read from the source files, so they exist wherever Python does (even under -OO).
-SAMPLE_MODULES = ("copy", "sched", "cmd", "socketserver", "heapq", "doctest", "unittest", "pdb", "timeit",
-                  "argparse", "subprocess", "configparser", "statistics", "tempfile", "difflib", "typing", "inspect",
-                  "random", "json", "collections", "pathlib", "ast")
-SAMPLE_DESCRIPTION = (f"docstrings of Python {sys.version_info.major}.{sys.version_info.minor} standard-library "
-                      f"modules ({', '.join(SAMPLE_MODULES)})")
+SAMPLE_MODULES = (
+    "copy",
+    "sched",
+    "cmd",
+    "socketserver",
+    "heapq",
+    "doctest",
+    "unittest",
+    "pdb",
+    "timeit",
+    "argparse",
+    "subprocess",
+    "configparser",
+    "statistics",
+    "tempfile",
+    "difflib",
+    "typing",
+    "inspect",
+    "random",
+    "json",
+    "collections",
+    "pathlib",
+    "ast",
+)
+SAMPLE_DESCRIPTION = (
+    f"docstrings of Python {sys.version_info.major}.{sys.version_info.minor} standard-library "
+    f"modules ({', '.join(SAMPLE_MODULES)})"
+)
 
 
 class HeadScoresError(ModelFileError):
@@ -76,11 +99,12 @@ def sample_tokens(tokenizer, text: str, max_tokens: int = DEFAULT_TOKENS) -> tup
     if max_tokens < 1:
         raise EmptyInputError(f"head scores need at least one sample token, got max_tokens={max_tokens}")
     context, _ = prompts.split_for_reuse(tokenizer, text, [])
-    return context.ids()[:context.context_start + max_tokens], context.context_start
+    return context.ids()[: context.context_start + max_tokens], context.context_start
 
 
-def head_scores(params, cfg: ModelConfig, tokenizer, text: str, max_tokens: int = DEFAULT_TOKENS,
-                chunk_size: int = DEFAULT_CHUNK) -> np.ndarray:
+def head_scores(
+    params, cfg: ModelConfig, tokenizer, text: str, max_tokens: int = DEFAULT_TOKENS, chunk_size: int = DEFAULT_CHUNK
+) -> np.ndarray:
     """[L, K] float32 head scores of a model from a sample text (its first max_tokens tokens; see sample_text)."""
     tokens, prefix_len = sample_tokens(tokenizer, text, max_tokens)
     reread = reread_inputs(tokenizer, [prefix_len], [tokens[prefix_len:]], chunk_size)
@@ -91,8 +115,10 @@ def check_heads(cfg: ModelConfig) -> None:
     """HeadScoresError for a model whose layers cache no per-head pairs (MLA: one latent row per token for every
     head), where dropping a KV head would drop the layer."""
     if cfg.mla is not None:
-        raise HeadScoresError("head-level KVzip does not apply to multi-head latent attention: every head reads the "
-                              "same latent row; use --level pair, pair-uniform or layer")
+        raise HeadScoresError(
+            "head-level KVzip does not apply to multi-head latent attention: every head reads the "
+            "same latent row; use --level pair, pair-uniform or layer"
+        )
 
 
 def context_head_scores(params, cfg: ModelConfig, tokens: np.ndarray, reread: RereadInputs) -> np.ndarray:
@@ -108,8 +134,9 @@ def context_head_scores(params, cfg: ModelConfig, tokens: np.ndarray, reread: Re
     return per_head
 
 
-def head_keep(head_scores, context_len, n: int, ratio, sink: int = 0, recent: int = 0,
-              evictable: tuple[int, ...] | None = None) -> jax.Array:
+def head_keep(
+    head_scores, context_len, n: int, ratio, sink: int = 0, recent: int = 0, evictable: tuple[int, ...] | None = None
+) -> jax.Array:
     """keep [L, B, K, n] bool for head scores [L, K] and context_len [B] (n >= every context length).
 
     ratio: the fraction of evictable (layer, KV head) units that keep their whole context, exactly
@@ -171,8 +198,9 @@ def load_head_scores(path: str | Path, cfg: ModelConfig | None = None) -> np.nda
         record = json.loads(target.read_text())
         scores = np.array([[np.inf if x is None else x for x in row] for row in record["scores"]], np.float32)
     except FileNotFoundError:
-        raise HeadScoresError(f"no head scores at {target}; compute them once per model with "
-                              "`kvzip-jax head-scores --model MODEL`") from None
+        raise HeadScoresError(
+            f"no head scores at {target}; compute them once per model with `kvzip-jax head-scores --model MODEL`"
+        ) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise HeadScoresError(f"{target} is not a head-scores file ({type(e).__name__}: {e})") from None
     if scores.ndim != 2 or (cfg is not None and scores.shape != (cfg.num_layers, cfg.num_kv_heads)):

@@ -24,7 +24,8 @@ import numpy as np
 from kvzip_jax import cache as kv
 from kvzip_jax.config import FULL, ModelConfig
 from kvzip_jax.errors import KvzipError
-from kvzip_jax.models.attention import MASK_VALUE, AttentionView, map_key_blocks, take_keys
+from kvzip_jax.models.attention import MASK_VALUE
+from kvzip_jax.models.observer import AttentionView, map_key_blocks, take_keys
 from kvzip_jax.models.transformer import forward
 from pallas_kernels import resolve_impl, score_max
 from pallas_kernels.dispatch import supports_head_dim
@@ -86,8 +87,13 @@ class RereadObserver:
         if not self.kvzip_plus and resolve_impl(self.impl) == "pallas" and supports_head_dim(H):
             dtype = view.k.dtype  # products in the cache's dtype (bf16 on the matrix units), accumulated in float32
             chunk_k = slot_columns(view.k, self.chunk_start, m, axis=2)  # [B, K, m, H]
-            return score_max(qm.reshape(B, K, G * T, H).astype(dtype), chunk_k.astype(dtype),
-                             bias.reshape(B, K, G * T), exp=self.variant == "softmax", impl=self.impl)  # [B, K, m]
+            return score_max(
+                qm.reshape(B, K, G * T, H).astype(dtype),
+                chunk_k.astype(dtype),
+                bias.reshape(B, K, G * T),
+                exp=self.variant == "softmax",
+                impl=self.impl,
+            )  # [B, K, m]
         o_proj = view.o_proj.reshape(K, G, -1, view.o_proj.shape[-1]).astype(jnp.float32)  # [K, G, Hv, D]
 
         def block_scores(kb, vb):  # keys, values [B, K, S, H] -> [B, K, S]
@@ -103,8 +109,9 @@ class RereadObserver:
             return stat.max(axis=2)
 
         def block(start, size):  # [B, K, size] scores of the chunk's keys [start, start + size)
-            kb, vb = (slot_columns(x, self.chunk_start + start, size, axis=2).astype(jnp.float32)
-                      for x in (view.k, view.v))
+            kb, vb = (
+                slot_columns(x, self.chunk_start + start, size, axis=2).astype(jnp.float32) for x in (view.k, view.v)
+            )
             return block_scores(kb, vb)
 
         return map_key_blocks(block, m)  # [B, K, m]
@@ -157,8 +164,9 @@ class RereadInputs:
         return ContextSpan(self.prefix_len, self.context_len, self.chunk_size * self.tokens.shape[0])
 
 
-def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAULT_CHUNK,
-                  system: str | None = None) -> RereadInputs:
+def reread_inputs(
+    tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAULT_CHUNK, system: str | None = None
+) -> RereadInputs:
     """Reread inputs for rows whose caches hold [prefix | context]: prefix_len [B] ints, context_tokens B sequences.
 
     Chunk t of a row is context tokens [t m, (t + 1) m); its reread input is the reread prompt (with the previous
@@ -173,8 +181,8 @@ def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAU
     inputs = [[None] * len(rows) for _ in range(num_chunks)]
     for b, row in enumerate(rows):
         for t in range(num_chunks):
-            chunk = row[t * chunk_size:(t + 1) * chunk_size]
-            anchor = row[max(t * chunk_size - ANCHOR_TOKENS, 0):t * chunk_size]
+            chunk = row[t * chunk_size : (t + 1) * chunk_size]
+            anchor = row[max(t * chunk_size - ANCHOR_TOKENS, 0) : t * chunk_size]
             inputs[t][b] = np.concatenate([prompts.reread_suffix(tokenizer, anchor, system), chunk])
     width = max(len(x) for chunk in inputs for x in chunk)
     width = -(-width // 64) * 64  # bucketed so nearby lengths share a compilation
@@ -182,16 +190,20 @@ def reread_inputs(tokenizer, prefix_len, context_tokens, chunk_size: int = DEFAU
     num_valid = np.zeros((num_chunks, len(rows)), np.int32)
     for t, chunk in enumerate(inputs):
         for b, x in enumerate(chunk):
-            tokens[t, b, :len(x)] = x
+            tokens[t, b, : len(x)] = x
             num_valid[t, b] = len(x)
     prefix = np.asarray(prefix_len, np.int32)
     lengths = np.array([len(r) for r in rows], np.int32)
     starts = np.arange(num_chunks, dtype=np.int32)[:, None] * chunk_size
     return RereadInputs(
-        tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid),
+        tokens=jnp.asarray(tokens),
+        num_valid=jnp.asarray(num_valid),
         chunk_start=jnp.asarray(prefix[None, :] + starts),
         chunk_len=jnp.asarray(np.clip(lengths[None, :] - starts, 0, chunk_size)),
-        prefix_len=jnp.asarray(prefix), context_len=jnp.asarray(lengths), chunk_size=chunk_size)
+        prefix_len=jnp.asarray(prefix),
+        context_len=jnp.asarray(lengths),
+        chunk_size=chunk_size,
+    )
 
 
 class CacheLayoutError(KvzipError, ValueError):
@@ -223,7 +235,8 @@ def _raise_unless_context_only(lengths, position, expected) -> None:
         raise CacheLayoutError(
             f"row {b} of the cache holds {int(held[b])} tokens (next position {int(position[b])}), but the reread "
             f"inputs describe [prefix | context] = {int(expected[b])} tokens: KVzip scores a cache that holds its "
-            f"context and nothing after it (rewind a question or answer first: cache.mark before, cache.rewind after)")
+            f"context and nothing after it (rewind a question or answer first: cache.mark before, cache.rewind after)"
+        )
 
 
 def evictable_layers(cfg: ModelConfig) -> tuple[int, ...]:
@@ -231,8 +244,14 @@ def evictable_layers(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(cfg.layer_types) if kind == FULL)
 
 
-def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, variant: str = "softmax",
-          kvzip_plus: bool = False) -> jax.Array:
+def score(
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    reread: RereadInputs,
+    variant: str = "softmax",
+    kvzip_plus: bool = False,
+) -> jax.Array:
     """KVzip scores [L, B, K, C m] of the context pairs (context offset i is cache slot prefix_len + i).
     Layers outside evictable_layers(cfg) are not scored (zeros).
 
@@ -247,8 +266,16 @@ def score(params, cfg: ModelConfig, cache: kv.KVCache, reread: RereadInputs, var
 
     def chunk_scores(t):  # [L, B, K, m] scores of chunk t's pairs
         observer = chunk_observer(cfg, reread, t, variant, kvzip_plus)
-        _, _, aux = forward(params, reread.tokens[t], after_cache(cache, W), cache, cfg, observer,
-                            num_new=reread.num_valid[t], logits=None)
+        _, _, aux = forward(
+            params,
+            reread.tokens[t],
+            after_cache(cache, W),
+            cache,
+            cfg,
+            observer,
+            num_new=reread.num_valid[t],
+            logits=None,
+        )
         scores = jnp.stack(aux["observed"])
         jax.debug.callback(_report_chunk, t + 1, C, scores[0, 0, 0, 0])  # once computed
         return scores
@@ -279,13 +306,22 @@ def _report_chunk(done, total, _) -> None:
         callback(int(done), int(total))
 
 
-def chunk_observer(cfg: ModelConfig, reread: RereadInputs, t: int, variant: str = "softmax",
-                   kvzip_plus: bool = False) -> RereadObserver:
+def chunk_observer(
+    cfg: ModelConfig, reread: RereadInputs, t: int, variant: str = "softmax", kvzip_plus: bool = False
+) -> RereadObserver:
     """The observer that scores chunk t's context pairs during its reread (score runs it over every chunk)."""
     return RereadObserver(
-        prefix_len=reread.prefix_len, chunk_start=reread.chunk_start[t], chunk_len=reread.chunk_len[t],
-        num_valid=reread.num_valid[t], width=reread.chunk_size, variant=variant, kvzip_plus=kvzip_plus,
-        scored_layers=evictable_layers(cfg), whole_cache=reread.tokens.shape[0] == 1, impl=cfg.attention_impl)
+        prefix_len=reread.prefix_len,
+        chunk_start=reread.chunk_start[t],
+        chunk_len=reread.chunk_len[t],
+        num_valid=reread.num_valid[t],
+        width=reread.chunk_size,
+        variant=variant,
+        kvzip_plus=kvzip_plus,
+        scored_layers=evictable_layers(cfg),
+        whole_cache=reread.tokens.shape[0] == 1,
+        impl=cfg.attention_impl,
+    )
 
 
 def after_cache(cache: kv.KVCache, width: int) -> jax.Array:

@@ -37,7 +37,7 @@ from kvzip_jax.kvzip.budget import RATIO_UNITS, kept_count, top_counts
 
 BUDGETS = ("uniform", "global", "profile")
 PROFILE_DIR = Path(__file__).parents[1] / "data" / "head_budgets"
-FIT_STEP = 2 ** 0.5  # each fit size is the one above over sqrt(2)
+FIT_STEP = 2**0.5  # each fit size is the one above over sqrt(2)
 MIN_FIT_SIZE = 32
 
 
@@ -54,8 +54,10 @@ def load_profile(model: str) -> tuple[tuple[float, ...], ...]:
     """A model's searched shares, one row per compacted layer, one share per KV head (MatchingConfig.profile)."""
     path = profile_file(model)
     if not path.is_file():
-        raise BudgetProfileError(f"no budget profile for {model} at {path}; search one with: "
-                                 f"python studies/budget_search/budget_search.py --model {model}")
+        raise BudgetProfileError(
+            f"no budget profile for {model} at {path}; search one with: "
+            f"python studies/budget_search/budget_search.py --model {model}"
+        )
     try:
         return tuple(tuple(float(share) for share in row) for row in json.loads(path.read_text())["profile"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -66,8 +68,10 @@ def check_profile(profile, layers: int, kv_heads: int) -> None:
     """BudgetProfileError unless profile is [layers][kv_heads] finite shares >= 0, some positive."""
     shares = [list(row) for row in profile]
     if len(shares) != layers or any(len(row) != kv_heads for row in shares):
-        raise BudgetProfileError(f"a budget profile needs {layers} rows (compacted layers) of {kv_heads} shares "
-                                 f"(KV heads), got {[len(row) for row in shares]}")
+        raise BudgetProfileError(
+            f"a budget profile needs {layers} rows (compacted layers) of {kv_heads} shares "
+            f"(KV heads), got {[len(row) for row in shares]}"
+        )
     flat = [share for row in shares for share in row]
     if not all(math.isfinite(share) and share >= 0 for share in flat) or not sum(flat) > 0:
         raise BudgetProfileError("budget profile shares must be finite, >= 0, and not all 0")
@@ -107,8 +111,14 @@ def head_caps(ratio: float, head_cap: float, context_len: jax.Array) -> jax.Arra
     return jnp.minimum(context_len, jnp.maximum(kept_count(head_cap, context_len), floor)).astype(jnp.int32)
 
 
-def head_counts(ratio: float, context_len: jax.Array, shape: tuple[int, int, int, int], budget: str,
-                scores: jax.Array | None = None, head_cap: float = 0.75) -> jax.Array:
+def head_counts(
+    ratio: float,
+    context_len: jax.Array,
+    shape: tuple[int, int, int, int],
+    budget: str,
+    scores: jax.Array | None = None,
+    head_cap: float = 0.75,
+) -> jax.Array:
     """counts [L, B, K] int32 for context_len [B] and (L, B, K, n) = shape. global: scores [L, B, K, n] (-inf past a
     row's context), a head keeping at most head_caps(ratio, head_cap, context_len) of them; profile: the same, with
     scores = profile_scores(shares, context_len, n)."""

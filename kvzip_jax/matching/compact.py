@@ -41,17 +41,24 @@ from kvzip_jax.matching.on_policy import compact_on_policy
 from kvzip_jax.matching.queries import Probes, ReferenceQueries, reference_queries, thinned
 
 
-def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs,
-            config: MatchingConfig = MatchingConfig(), probes: Probes | None = None,
-            queries: ReferenceQueries | None = None):
+def compact(
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    reread: scoring.RereadInputs,
+    config: MatchingConfig = MatchingConfig(),
+    probes: Probes | None = None,
+    queries: ReferenceQueries | None = None,
+):
     """The compacted cache of a cache holding [prefix | context] per row, and the kept keys per head [L, B, K]
     (all layers; uncompacted layers count their whole context). reread: kvzip.reread_inputs of the contexts (the
     repeat source, and where the context lies); probes: self-study turns (queries.Probes) for that source; queries:
     this cache's reference queries when already captured (a sweep shares them), else captured here."""
     check_choices(cfg, config)
     if queries is None and (not config.on_policy or config.budget == "global"):  # on-policy uniform: no full pass
-        queries = reference_queries(params, cfg, cache, reread, config.sources, config.query_cap,
-                                    config.needs_kvzip_scores, probes)
+        queries = reference_queries(
+            params, cfg, cache, reread, config.sources, config.query_cap, config.needs_kvzip_scores, probes
+        )
     if not config.on_policy:
         return compact_with(queries, cfg, cache, reread, config)
     _check_compactable(cfg, cache, queries, config)
@@ -61,8 +68,13 @@ def compact(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadI
     return compact_on_policy(params, cfg, cache, reread, config, probes, counts, size)
 
 
-def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
-                 reread: scoring.RereadInputs | scoring.ContextSpan, config: MatchingConfig):
+def compact_with(
+    queries: ReferenceQueries,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    reread: scoring.RereadInputs | scoring.ContextSpan,
+    config: MatchingConfig,
+):
     """compact from reference queries already captured (one reference pass serves many ratios and methods); every
     layer's queries come from the full cache (off-policy: MatchingConfig.on_policy needs compact). reread: the
     contexts' reread inputs, or only where the contexts lie (a ContextSpan: all the fit needs)."""
@@ -87,11 +99,13 @@ def compact_with(queries: ReferenceQueries, cfg: ModelConfig, cache: kv.KVCache,
     return written(cache, span, layers, fitted, config, cfg), counts
 
 
-def _check_compactable(cfg: ModelConfig, cache: kv.KVCache, queries: ReferenceQueries | None,
-                       config: MatchingConfig) -> None:
+def _check_compactable(
+    cfg: ModelConfig, cache: kv.KVCache, queries: ReferenceQueries | None, config: MatchingConfig
+) -> None:
     check_choices(cfg, config)
     if any(not isinstance(layer, kv.LayerCache) or layer.keep is not None for layer in cache.layers):
-        raise scoring.CacheLayoutError("compact a dense cache: this one is ragged or masked (kv.defragment a masked "
-                                       "or compacted one first)")
+        raise scoring.CacheLayoutError(
+            "compact a dense cache: this one is ragged or masked (kv.defragment a masked or compacted one first)"
+        )
     if config.needs_kvzip_scores and queries is not None and queries.kvzip_scores is None:
         raise ValueError("these reference queries carry no KVzip scores (reference_queries(..., with_scores=True))")

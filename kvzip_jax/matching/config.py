@@ -79,10 +79,13 @@ class MatchingConfig:
 
     def __post_init__(self):
         check_ratio(self.ratio)
-        for name, value, choices in (("selector", self.selector, SELECTORS), ("aggregate", self.aggregate,
-                                     AGGREGATIONS), ("budget", self.budget, BUDGETS),
-                                     ("budget_scores", self.budget_scores, BUDGET_SCORES),
-                                     ("latent_values", self.latent_values, LATENT_VALUES)):
+        for name, value, choices in (
+            ("selector", self.selector, SELECTORS),
+            ("aggregate", self.aggregate, AGGREGATIONS),
+            ("budget", self.budget, BUDGETS),
+            ("budget_scores", self.budget_scores, BUDGET_SCORES),
+            ("latent_values", self.latent_values, LATENT_VALUES),
+        ):
             if value not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {value!r}")
         if not self.sources or set(self.sources) - set(SOURCES):
@@ -101,11 +104,14 @@ class MatchingConfig:
             raise ValueError("KVzip's scores (selector kvzip, or global budgets by kvzip) need the 'repeat' source")
         if self.self_study_queries is not None:
             if self.self_study_queries < 0 or "self-study" not in self.sources:
-                raise ValueError(f"self_study_queries counts self-study rows (>= 0, with the 'self-study' source), "
-                                 f"got {self.self_study_queries} with sources {self.sources}")
+                raise ValueError(
+                    f"self_study_queries counts self-study rows (>= 0, with the 'self-study' source), "
+                    f"got {self.self_study_queries} with sources {self.sources}"
+                )
             if self.on_policy:
-                raise ValueError("self_study_queries thins queries captured once: on-policy compaction captures "
-                                 "them layer by layer")
+                raise ValueError(
+                    "self_study_queries thins queries captured once: on-policy compaction captures them layer by layer"
+                )
         if self.on_policy and "context" in self.sources:
             raise ValueError("on-policy compaction takes the repeat and self-study sources, not 'context'")
 
@@ -142,12 +148,17 @@ def check_choices(cfg: ModelConfig, config: MatchingConfig) -> None:
     """The choices that depend on the model (LatentValuesError for its attention, BudgetProfileError for a profile
     budget given no profile), checked before any pass runs."""
     if config.budget == "profile" and config.profile is None:
-        raise BudgetProfileError("budget 'profile' needs the model's profile: give one (budgets.load_profile), or "
-                                 "take the method's options for the model (methods.get(name).options_for(model))")
+        raise BudgetProfileError(
+            "budget 'profile' needs the model's profile: give one (budgets.load_profile), or "
+            "take the method's options for the model (methods.get(name).options_for(model))"
+        )
     if config.latent_values == "fitted" and cfg.mla is None:
-        raise LatentValuesError("latent_values 'fitted' fits an MLA token's value latent; this model has no latent "
-                                "cache")
+        raise LatentValuesError(
+            "latent_values 'fitted' fits an MLA token's value latent; this model has no latent cache"
+        )
     if cfg.mla is not None and config.latent_values == "kept" and config.refine_steps:
-        raise LatentValuesError("refinement moves the kept values, and an MLA slot's latent is its key too: "
-                                "refine_steps must be 0 on multi-head latent attention unless latent_values is "
-                                "'fitted'")
+        raise LatentValuesError(
+            "refinement moves the kept values, and an MLA slot's latent is its key too: "
+            "refine_steps must be 0 on multi-head latent attention unless latent_values is "
+            "'fitted'"
+        )

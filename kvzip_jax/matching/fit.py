@@ -28,8 +28,14 @@ RIDGE = 1e-6  # relative ridge of the normal equations (x mean diagonal): keeps 
 REFINE_STEPS = 2  # corrections after a normal-equations solve (`_solve_normal`): float32 then matches a QR solve
 
 
-def logits(q: jax.Array, k: jax.Array, scale: float, key_valid: jax.Array | None = None,
-           query_valid: jax.Array | None = None, key_bias: jax.Array | None = None) -> jax.Array:
+def logits(
+    q: jax.Array,
+    k: jax.Array,
+    scale: float,
+    key_valid: jax.Array | None = None,
+    query_valid: jax.Array | None = None,
+    key_bias: jax.Array | None = None,
+) -> jax.Array:
     """[N, T] float32 scaled logits s q.k (+ key_bias [T], the bias a block compacted before carries), MASK_VALUE
     where key_valid [T] or query_valid [N] is False (a row of a padding query sees no key, so it carries no weight in
     any fit)."""
@@ -76,8 +82,14 @@ def gram(a: jax.Array, columns: jax.Array | None = None) -> jax.Array:
     return g[:S, :S]
 
 
-def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.Array | None = None,
-                  gram_a: jax.Array | None = None, columns: jax.Array | None = None) -> jax.Array:
+def _solve_normal(
+    a: jax.Array,
+    b: jax.Array,
+    ridge: float = RIDGE,
+    prior: jax.Array | None = None,
+    gram_a: jax.Array | None = None,
+    columns: jax.Array | None = None,
+) -> jax.Array:
     """argmin_x |a x - b|^2 + lam |x - prior|^2 via Cholesky of a^T a + lam I: a [N, S], b [N, ...] -> [S, ...];
     lam = ridge x the mean diagonal of a^T a over the columns in use (relative, so it does not depend on the scale
     of a; all-zero columns, a padded fit's inactive keys, do not count, so padding does not change the fit); prior: 0
@@ -105,8 +117,9 @@ def _solve_normal(a: jax.Array, b: jax.Array, ridge: float = RIDGE, prior: jax.A
     return x
 
 
-def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int,
-             columns: jax.Array | None = None) -> jax.Array:
+def nnls_box(
+    m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int, columns: jax.Array | None = None
+) -> jax.Array:
     """w [S] ~ argmin_{lower <= w <= upper} |m w - y|^2 for m [N, S], y [N]: the (ridged) least-squares solution
     clipped to the box, then `iters` projected-gradient steps of size 1/|m^T m|_F (the Frobenius norm bounds the
     largest eigenvalue, so the steps never overshoot, at the price of an eigensolver; with enough steps it converges
@@ -124,12 +137,23 @@ def nnls_box(m: jax.Array, y: jax.Array, lower: float, upper: float, iters: int,
     return jax.lax.fori_loop(0, iters, step, w)
 
 
-def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scale: float,
-             key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
-             active: jax.Array | None = None, lower: float = float(np.exp(np.float32(-3.0))),
-             upper: float = float(np.exp(np.float32(3.0))),
-             iters: int = 2, value_ridge: float = RIDGE, key_bias: jax.Array | None = None,
-             fit_values: bool = True):
+def fit_head(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    selected: jax.Array,
+    scale: float,
+    key_valid: jax.Array | None = None,
+    *,
+    query_valid: jax.Array | None = None,
+    active: jax.Array | None = None,
+    lower: float = float(np.exp(np.float32(-3.0))),
+    upper: float = float(np.exp(np.float32(3.0))),
+    iters: int = 2,
+    value_ridge: float = RIDGE,
+    key_bias: jax.Array | None = None,
+    fit_values: bool = True,
+):
     """The compacted block of one KV head: (C_k [S, H], beta [S], C_v [S, H]), float32.
 
     q [N, H] reference queries (query_valid [N] bool: padding rows carry no weight); k, v [T, H]; selected [S] int
@@ -142,8 +166,11 @@ def fit_head(q: jax.Array, k: jax.Array, v: jax.Array, selected: jax.Array, scal
     fit_values False: C_v is the kept values themselves (only beta fitted; MLA, where a slot's latent is its key too).
     """
     if selected.shape[0] == 0:  # a head whose budget is 0 keeps nothing
-        return jnp.zeros((0, k.shape[1]), jnp.float32), jnp.zeros((0,), jnp.float32), jnp.zeros((0, v.shape[1]),
-                                                                                            jnp.float32)
+        return (
+            jnp.zeros((0, k.shape[1]), jnp.float32),
+            jnp.zeros((0,), jnp.float32),
+            jnp.zeros((0, v.shape[1]), jnp.float32),
+        )
     active = jnp.ones(selected.shape, bool) if active is None else active
     columns = jnp.max(jnp.where(active, jnp.arange(1, active.shape[0] + 1), 0))  # inactive from here on
     z = logits(q, k, scale, key_valid, query_valid, key_bias)  # [N, T]

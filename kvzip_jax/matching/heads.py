@@ -26,16 +26,20 @@ from kvzip_jax.matching.select import attention_key_scores, orthogonal_matching_
 from kvzip_jax.models import mla
 
 
-def context_of(layers: list[kv.LayerCache], span: scoring.ContextSpan,
-               cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def context_of(
+    layers: list[kv.LayerCache], span: scoring.ContextSpan, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The context keys and values of these layers, each [L, B, K, n, H] with n = span.width, and their bias
     [L, B, K, n] (0 where a layer has none). MLA: the keys the absorbed queries meet, [latent | RoPE key]."""
     n = span.width
     take = lambda x: scoring.slot_columns(x, span.prefix_len, n, axis=2)  # [B, K, C, ...] -> [B, K, n, ...]
-    bias = lambda layer: (jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias)
+    bias = lambda layer: jnp.zeros(layer.k.shape[:3], jnp.float32) if layer.bias is None else layer.bias
     keys = lambda layer: layer.k if cfg.mla is None else mla.split_layout(cfg, layer).k
-    return (jnp.stack([take(keys(layer)) for layer in layers]), jnp.stack([take(layer.v) for layer in layers]),
-            jnp.stack([take(bias(layer)) for layer in layers]))
+    return (
+        jnp.stack([take(keys(layer)) for layer in layers]),
+        jnp.stack([take(layer.v) for layer in layers]),
+        jnp.stack([take(bias(layer)) for layer in layers]),
+    )
 
 
 def per_head(q, valid, k, span: scoring.ContextSpan):
@@ -52,21 +56,29 @@ def attention_scores(q, valid, k, bias, span: scoring.ContextSpan, cfg: ModelCon
     their bias [L, B, K, n]."""
     L, B, K, n, _ = k.shape
     key_valid, query_valid, heads = per_head(q, valid, k, span)
-    return jax.lax.map(lambda a: attention_key_scores(a[0], a[1], cfg.query_scale, config.aggregate, a[2], a[3],
-                                                      a[4]),
-                       (heads(q), heads(k), heads(key_valid), heads(query_valid), heads(bias))).reshape(L, B, K, n)
+    return jax.lax.map(
+        lambda a: attention_key_scores(a[0], a[1], cfg.query_scale, config.aggregate, a[2], a[3], a[4]),
+        (heads(q), heads(k), heads(key_valid), heads(query_valid), heads(bias)),
+    ).reshape(L, B, K, n)
 
 
-def budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache, span: scoring.ContextSpan,
-           config: MatchingConfig, selecting: bool):
+def budget(
+    queries: ReferenceQueries | None,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    span: scoring.ContextSpan,
+    config: MatchingConfig,
+    selecting: bool,
+):
     """(size, counts [L_all, B, K], attention): the most keys of one head (static; None: nothing to compact), every
     layer's count (uncompacted layers count their whole context), and HAK's per-key scores [L, B, K, n] of the
     compacted layers when the budgets rank them or, selecting, the selector does (else None): computed once for
     both."""
     layers = scoring.evictable_layers(cfg)
     n = span.width
-    full = jnp.broadcast_to(span.context_len[None, :, None],
-                            (cfg.num_layers,) + cache.layers[0].lengths.shape).astype(jnp.int32)
+    full = jnp.broadcast_to(span.context_len[None, :, None], (cfg.num_layers,) + cache.layers[0].lengths.shape).astype(
+        jnp.int32
+    )
     if config.ratio >= 1.0 or not layers:
         return None, full, None
     ratio = effective_ratio(config, cache)
@@ -88,8 +100,9 @@ def budget(queries: ReferenceQueries | None, cfg: ModelConfig, cache: kv.KVCache
     return size, full.at[jnp.asarray(layers)].set(counts), attention
 
 
-def fit_heads(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: int, cfg: ModelConfig,
-              config: MatchingConfig):
+def fit_heads(
+    q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, size: int, cfg: ModelConfig, config: MatchingConfig
+):
     """Per head: select `counts` [L, B, K] of the keys k [L, B, K, n, H] (with their bias [L, B, K, n]; by rank
     [L, B, K, n], or OMP), then fit their bias and values -> (selected [L, B, K, S] int32, active bool, beta float32
     (the kept keys' whole bias), c_v [L, B, K, S, H'] with H' the values' width) with S = size. The heads are fitted
@@ -103,25 +116,63 @@ def fit_heads(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, siz
     def fit_one(t, args):  # one head fitted at t keys, padded to `size`
         q_h, qv_h, k_h, v_h, b_h, kv_h, count, rank_h = args
         if config.selector == "omp":
-            selected = orthogonal_matching_pursuit(q_h, k_h, scale, t, kv_h, query_valid=qv_h, limit=count,
-                                                   per_step=config.omp_step, refit_every=config.omp_refit,
-                                                   key_bias=b_h)
+            selected = orthogonal_matching_pursuit(
+                q_h,
+                k_h,
+                scale,
+                t,
+                kv_h,
+                query_valid=qv_h,
+                limit=count,
+                per_step=config.omp_step,
+                refit_every=config.omp_refit,
+                key_bias=b_h,
+            )
         else:
             _, selected = jax.lax.top_k(rank_h[:n], t)
         active = (jnp.arange(t) < count) & kv_h[selected]  # [t]
-        c_k, beta, c_v = fit_head(q_h, k_h, v_h, selected, scale, kv_h, query_valid=qv_h, active=active,
-                                  lower=lower, upper=upper, iters=iters, value_ridge=config.value_ridge,
-                                  key_bias=b_h, fit_values=cfg.mla is None or config.latent_values == "fitted")
+        c_k, beta, c_v = fit_head(
+            q_h,
+            k_h,
+            v_h,
+            selected,
+            scale,
+            kv_h,
+            query_valid=qv_h,
+            active=active,
+            lower=lower,
+            upper=upper,
+            iters=iters,
+            value_ridge=config.value_ridge,
+            key_bias=b_h,
+            fit_values=cfg.mla is None or config.latent_values == "fitted",
+        )
         if config.refine_steps:  # keys stay at their slots: only beta (when fitted) and C_v move
-            _, beta, c_v, _ = refine_head(q_h, k_h, v_h, c_k, beta, c_v, scale, kv_h, query_valid=qv_h,
-                                          active=active, steps=config.refine_steps, train_bias=config.fit_bias,
-                                          key_bias=b_h)
+            _, beta, c_v, _ = refine_head(
+                q_h,
+                k_h,
+                v_h,
+                c_k,
+                beta,
+                c_v,
+                scale,
+                kv_h,
+                query_valid=qv_h,
+                active=active,
+                steps=config.refine_steps,
+                train_bias=config.fit_bias,
+                key_bias=b_h,
+            )
         pad = lambda x: jnp.pad(x, [(0, size - t)] + [(0, 0)] * (x.ndim - 1))  # [t, ...] -> [S, ...]
         return pad(selected.astype(jnp.int32)), pad(active), pad(beta), pad(c_v)
 
     def nothing_kept(args):  # a head whose count is 0
-        return (jnp.zeros((size,), jnp.int32), jnp.zeros((size,), bool), jnp.zeros((size,), jnp.float32),
-                jnp.zeros((size, v.shape[-1]), jnp.float32))
+        return (
+            jnp.zeros((size,), jnp.int32),
+            jnp.zeros((size,), bool),
+            jnp.zeros((size,), jnp.float32),
+            jnp.zeros((size, v.shape[-1]), jnp.float32),
+        )
 
     sizes = fit_sizes(size)  # descending
     branches = [nothing_kept] + [functools.partial(fit_one, s) for s in sizes]
@@ -132,14 +183,23 @@ def fit_heads(q, valid, k, v, bias, span: scoring.ContextSpan, rank, counts, siz
         return jax.lax.switch(branch, branches, args)
 
     rank_heads = heads(rank) if rank is not None else jnp.zeros((L * B * K, n), jnp.float32)
-    inputs = (heads(q), heads(query_valid), heads(k), heads(v), heads(bias), heads(key_valid), counts.reshape(-1),
-              rank_heads)
+    inputs = (
+        heads(q),
+        heads(query_valid),
+        heads(k),
+        heads(v),
+        heads(bias),
+        heads(key_valid),
+        counts.reshape(-1),
+        rank_heads,
+    )
     fitted = jax.lax.map(fit_at_its_size, inputs)  # a loop, not a vmap: each head runs its own branch only
     return tuple(x.reshape((L, B, K) + x.shape[1:]) for x in fitted)
 
 
-def written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted, config: MatchingConfig,
-            cfg: ModelConfig) -> kv.KVCache:
+def written(
+    cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted, config: MatchingConfig, cfg: ModelConfig
+) -> kv.KVCache:
     """The cache with layers[j] compacted to fitted[...][j] (fit_heads' outputs); without config.fit_bias the fitted
     beta (the kept keys' own bias, if any, when beta is not fitted) is not written and each layer keeps its bias.
     MLA with fitted value latents: each layer first takes the split layout (its latents copied into its keys)."""
@@ -149,8 +209,15 @@ def written(cache: kv.KVCache, span: scoring.ContextSpan, layers, fitted, config
         layer = cache.layers[i]
         if config.latent_values == "fitted":
             layer = mla.split_layout(cfg, layer)
-        new_layers[i] = compacted_layer(layer, span.prefix_len, span.context_len, selected[j], active[j],
-                                         beta[j] if config.fit_bias else None, c_v[j])
+        new_layers[i] = compacted_layer(
+            layer,
+            span.prefix_len,
+            span.context_len,
+            selected[j],
+            active[j],
+            beta[j] if config.fit_bias else None,
+            c_v[j],
+        )
     return dataclasses.replace(cache, layers=tuple(new_layers))
 
 

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip import scoring
-from kvzip_jax.models.attention import AttentionView
+from kvzip_jax.models.observer import AttentionView
 from kvzip_jax.models.transformer import forward
 
 SOURCES = ("repeat", "context", "self-study")
@@ -117,9 +117,15 @@ class ReferencePass:
         return q, self.valid.reshape(c, B, R).transpose(1, 0, 2).reshape(B, c * R)
 
 
-def reference_passes(cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs | None,
-                     sources: tuple[str, ...], cap: int, probes: Probes | None = None,
-                     with_scores: bool = False) -> list[ReferencePass]:
+def reference_passes(
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    reread: scoring.RereadInputs | None,
+    sources: tuple[str, ...],
+    cap: int,
+    probes: Probes | None = None,
+    with_scores: bool = False,
+) -> list[ReferencePass]:
     """The passes of the sources, at most `cap` captured rows per KV head and layer in all (split evenly over the
     sources and their passes); with_scores: repeat passes carry KVzip's scorer. reread: None with self-study only.
     An MLA model's queries are the absorbed ones (its one KV head's N query heads, width latent + RoPE)."""
@@ -149,15 +155,34 @@ def reference_passes(cfg: ModelConfig, cache: kv.KVCache, reread: scoring.Reread
     if "context" in sources:
         for t in range(chunks):  # chunk t on top of [prefix | chunks before t], at its own positions
             start = reread.chunk_start[t]  # [B]
-            before = kv.rewind(cache, kv.CacheMark(tuple(jnp.broadcast_to(start[:, None], layer.lengths.shape)
-                                                         for layer in cache.layers), start))
+            before = kv.rewind(
+                cache,
+                kv.CacheMark(
+                    tuple(jnp.broadcast_to(start[:, None], layer.lengths.shape) for layer in cache.layers), start
+                ),
+            )
             positions = start[:, None] + jnp.arange(reread.chunk_size, dtype=jnp.int32)
-            passes.append(on_top("context", _context_chunk(reread, t), reread.chunk_len[t], -(-per_source // chunks),
-                                 positions=positions, before=before))
+            passes.append(
+                on_top(
+                    "context",
+                    _context_chunk(reread, t),
+                    reread.chunk_len[t],
+                    -(-per_source // chunks),
+                    positions=positions,
+                    before=before,
+                )
+            )
     if "self-study" in sources:  # one pass: probe p on row p B + b of the tiled cache
         count, B, W = probes.tokens.shape
-        passes.append(on_top("self-study", probes.tokens.reshape(count * B, W), probes.num_valid.reshape(count * B),
-                             -(-per_source // count), copies=count))
+        passes.append(
+            on_top(
+                "self-study",
+                probes.tokens.reshape(count * B, W),
+                probes.num_valid.reshape(count * B),
+                -(-per_source // count),
+                copies=count,
+            )
+        )
     return passes
 
 
@@ -198,9 +223,16 @@ def thinned(queries: ReferenceQueries, count: int) -> ReferenceQueries:
     return dataclasses.replace(queries, valid=queries.valid & (~studied | chosen))
 
 
-def reference_queries(params, cfg: ModelConfig, cache: kv.KVCache, reread: scoring.RereadInputs | None,
-                      sources: tuple[str, ...] = ("repeat",), cap: int = 8192, with_scores: bool = False,
-                      probes: Probes | None = None) -> ReferenceQueries:
+def reference_queries(
+    params,
+    cfg: ModelConfig,
+    cache: kv.KVCache,
+    reread: scoring.RereadInputs | None,
+    sources: tuple[str, ...] = ("repeat",),
+    cap: int = 8192,
+    with_scores: bool = False,
+    probes: Probes | None = None,
+) -> ReferenceQueries:
     """The reference queries of a cache, at most `cap` rows per KV head and layer, split evenly over the sources and
     their passes. with_scores: KVzip's scores [L, B, K, n] from the repeat pass (needs "repeat"). The repeat and
     context sources read the cache as [prefix | context] per row (scoring.check_context_cache); self-study probes go
@@ -212,8 +244,16 @@ def reference_queries(params, cfg: ModelConfig, cache: kv.KVCache, reread: scori
         scoring.check_context_cache(cache, reread.prefix_len, reread.context_len)
     captured, per_chunk = [], []
     for p in passes:
-        _, _, aux = forward(params, p.tokens, p.positions, p.cache_under(cache), cfg,
-                            QueryObserver(p.rows, p.scorer), num_new=p.num_valid, logits=None)
+        _, _, aux = forward(
+            params,
+            p.tokens,
+            p.positions,
+            p.cache_under(cache),
+            cfg,
+            QueryObserver(p.rows, p.scorer),
+            num_new=p.num_valid,
+            logits=None,
+        )
         folded = [p.folded(q) for q, _ in aux["observed"]]
         captured.append((tuple(q for q, _ in folded), folded[0][1]))
         if p.scorer is not None:

@@ -22,8 +22,20 @@ from kvzip_jax.matching.fit import HIGHEST, logits
 from kvzip_jax.models.attention import MASK_VALUE
 
 
-def matching_loss(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, query_valid=None, active=None,
-                  mass_weight: float = 1.0, key_bias=None) -> jax.Array:
+def matching_loss(
+    q,
+    k,
+    v,
+    c_k,
+    beta,
+    c_v,
+    scale: float,
+    key_valid=None,
+    query_valid=None,
+    active=None,
+    mass_weight: float = 1.0,
+    key_bias=None,
+) -> jax.Array:
     """[] relative output error + mass_weight x mean squared lse error of the compacted head (c_k, beta, c_v [S])
     against the block (k, v [T], with its own bias key_bias [T] if any) for queries q [N] (query_valid [N]: others
     weigh nothing; active [S]: kept keys)."""
@@ -39,19 +51,46 @@ def matching_loss(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, query_v
     weight = weight * (lse > MASK_VALUE / 2)  # a query that sees no key weighs nothing
     rows = jnp.maximum(weight.sum(), 1.0)
     output_error = jnp.sum(weight * jnp.sum((out_c - out) ** 2, -1)) / jnp.maximum(
-        jnp.sum(weight * jnp.sum(out ** 2, -1)), 1e-30)
+        jnp.sum(weight * jnp.sum(out**2, -1)), 1e-30
+    )
     mass_error = jnp.sum(weight * (lse_c - jnp.where(weight > 0, lse, 0.0)) ** 2) / rows
     return output_error + mass_weight * mass_error
 
 
-def refine_head(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, *, query_valid=None, active=None,
-                steps: int = 300, learning_rate: float = 1e-2, train_keys: bool = False, train_bias: bool = True,
-                key_bias=None):
+def refine_head(
+    q,
+    k,
+    v,
+    c_k,
+    beta,
+    c_v,
+    scale: float,
+    key_valid=None,
+    *,
+    query_valid=None,
+    active=None,
+    steps: int = 300,
+    learning_rate: float = 1e-2,
+    train_keys: bool = False,
+    train_bias: bool = True,
+    key_bias=None,
+):
     """(c_k, beta, c_v, losses [steps + 1]) after `steps` Adam steps on matching_loss from the given start. Inactive
     kept slots (active False) stay as they were. key_bias [T]: the block's own bias, as in matching_loss."""
     trainable = {"c_v": c_v} | ({"beta": beta} if train_bias else {}) | ({"c_k": c_k} if train_keys else {})
-    loss_of = lambda p: matching_loss(q, k, v, p.get("c_k", c_k), p.get("beta", beta), p["c_v"], scale, key_valid,
-                                      query_valid, active, key_bias=key_bias)
+    loss_of = lambda p: matching_loss(
+        q,
+        k,
+        v,
+        p.get("c_k", c_k),
+        p.get("beta", beta),
+        p["c_v"],
+        scale,
+        key_valid,
+        query_valid,
+        active,
+        key_bias=key_bias,
+    )
     optimizer = optax.adam(learning_rate)
 
     def step(state, _):
@@ -63,6 +102,8 @@ def refine_head(q, k, v, c_k, beta, c_v, scale: float, key_valid=None, *, query_
     (params, _), losses = jax.lax.scan(step, (trainable, optimizer.init(trainable)), None, length=steps)
     losses = jnp.concatenate([losses, loss_of(params)[None]])
     if active is not None:  # dropped slots keep their (ignored) start values
-        params = {name: jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 1)), x, trainable[name])
-                  for name, x in params.items()}
+        params = {
+            name: jnp.where(active.reshape(active.shape + (1,) * (x.ndim - 1)), x, trainable[name])
+            for name, x in params.items()
+        }
     return params.get("c_k", c_k), params.get("beta", beta), params["c_v"], losses

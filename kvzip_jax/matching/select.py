@@ -15,9 +15,15 @@ AGGREGATIONS = ("rms", "max", "mean")
 OMP_UPPER = float(np.exp(np.float32(7.0)))  # the reference code's box for OMP weights: beta <= 7
 
 
-def attention_key_scores(q: jax.Array, k: jax.Array, scale: float, aggregate: str = "rms",
-                         key_valid: jax.Array | None = None, query_valid: jax.Array | None = None,
-                         key_bias: jax.Array | None = None) -> jax.Array:
+def attention_key_scores(
+    q: jax.Array,
+    k: jax.Array,
+    scale: float,
+    aggregate: str = "rms",
+    key_valid: jax.Array | None = None,
+    query_valid: jax.Array | None = None,
+    key_bias: jax.Array | None = None,
+) -> jax.Array:
     """[T] float32: each key's attention over the reference queries q [N, H] (row softmax over keys k [T, H], with
     their bias key_bias [T] if any), aggregated over the valid queries (query_valid [N], default all) by root mean
     square (the paper's choice), max or mean; invalid keys score -inf."""
@@ -36,8 +42,9 @@ def attention_key_scores(q: jax.Array, k: jax.Array, scale: float, aggregate: st
     return score if key_valid is None else jnp.where(key_valid, score, -jnp.inf)
 
 
-def highest_attention_keys(q: jax.Array, k: jax.Array, scale: float, count: int, aggregate: str = "rms",
-                           key_valid: jax.Array | None = None) -> jax.Array:
+def highest_attention_keys(
+    q: jax.Array, k: jax.Array, scale: float, count: int, aggregate: str = "rms", key_valid: jax.Array | None = None
+) -> jax.Array:
     """[count] int32 indices of the keys with the highest aggregated attention (HAK), in position order; count is
     static and at most T."""
     if not 0 <= count <= k.shape[0]:
@@ -46,10 +53,19 @@ def highest_attention_keys(q: jax.Array, k: jax.Array, scale: float, count: int,
     return jnp.sort(chosen).astype(jnp.int32)
 
 
-def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count: int,
-                                key_valid: jax.Array | None = None, *, query_valid: jax.Array | None = None,
-                                limit: jax.Array | None = None, per_step: int = 1, refit_every: int = 1,
-                                key_bias: jax.Array | None = None) -> jax.Array:
+def orthogonal_matching_pursuit(
+    q: jax.Array,
+    k: jax.Array,
+    scale: float,
+    count: int,
+    key_valid: jax.Array | None = None,
+    *,
+    query_valid: jax.Array | None = None,
+    limit: jax.Array | None = None,
+    per_step: int = 1,
+    refit_every: int = 1,
+    key_bias: jax.Array | None = None,
+) -> jax.Array:
     """[count] int32 key indices in the order Orthogonal Matching Pursuit chose them (the paper's Algorithm 1): each
     step adds the key(s) whose mass features correlate most with the residual mass, then refits the weights of all
     chosen keys by least squares clamped to [1e-12, e^7]. count is static, at most the number of valid keys.
@@ -74,8 +90,9 @@ def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count:
 
     def refit(columns, active, used):  # clamped least squares of the chosen columns' weights (the first `used`)
         normal = gram(columns, used) + jnp.diag(jnp.where(active, ridge, 1.0))  # [count, count]
-        w = jax.scipy.linalg.cho_solve((jnp.linalg.cholesky(normal), True),
-                                       jnp.einsum("NS,N->S", columns, mass, precision=HIGHEST))
+        w = jax.scipy.linalg.cho_solve(
+            (jnp.linalg.cholesky(normal), True), jnp.einsum("NS,N->S", columns, mass, precision=HIGHEST)
+        )
         return jnp.clip(w, 1e-12, OMP_UPPER)
 
     def step(state):
@@ -95,7 +112,12 @@ def orthogonal_matching_pursuit(q: jax.Array, k: jax.Array, scale: float, count:
         w = jax.lax.cond(refitting, lambda: jnp.where(active, refit(columns, active, used), 0.0), lambda: w)
         return s + 1, chosen, taken, w, jnp.einsum("NS,S->N", columns, w, precision=HIGHEST)
 
-    init = (jnp.int32(0), jnp.zeros((count,), jnp.int32), jnp.zeros((T,), bool), jnp.zeros((count,), jnp.float32),
-            jnp.zeros_like(mass))
+    init = (
+        jnp.int32(0),
+        jnp.zeros((count,), jnp.int32),
+        jnp.zeros((T,), bool),
+        jnp.zeros((count,), jnp.float32),
+        jnp.zeros_like(mass),
+    )
     _, chosen, _, _, _ = jax.lax.while_loop(lambda state: state[0] * per_step < limit, step, init)
     return chosen

@@ -34,9 +34,19 @@ PROMPTS = (
 )
 
 
-def probes(params, cfg: ModelConfig, tokenizer, cache: kv.KVCache, prompts: Sequence[str] = PROMPTS, *,
-           samples: int = 1, max_new_tokens: int = 64, temperature: float = 0.7, seed: int = 0,
-           max_rows: int | None = None) -> Probes:
+def probes(
+    params,
+    cfg: ModelConfig,
+    tokenizer,
+    cache: kv.KVCache,
+    prompts: Sequence[str] = PROMPTS,
+    *,
+    samples: int = 1,
+    max_new_tokens: int = 64,
+    temperature: float = 0.7,
+    seed: int = 0,
+    max_rows: int | None = None,
+) -> Probes:
     """Probes (tokens [P S, B, W] right-padded, num_valid [P S, B]; turn p S + s is prompt p's sample s) of the P
     prompts asked `samples` times of every row of a context cache, each answered by sampling up to max_new_tokens.
     max_rows: most cache rows written at once (None: all P S B in one batch; at least B). The cache is not modified."""
@@ -56,12 +66,20 @@ def probes(params, cfg: ModelConfig, tokenizer, cache: kv.KVCache, prompts: Sequ
         batch = [min(first + j, turns - 1) for j in range(per_batch)]  # the last batch repeats its last turn
         rows = [suffixes[j // samples] for j in batch for _ in range(B)]  # row i B + b: turn batch[i], context b
         logits, work = gen.prefill(params, cfg, rows, kv.tiled_rows(base, per_batch))
-        answers, _ = gen.decode(params, cfg, logits, work, max_new_tokens, stop_tokens=stops,
-                                sampling=gen.Sampling.make(temperature, seed=seed + first))
+        answers, _ = gen.decode(
+            params,
+            cfg,
+            logits,
+            work,
+            max_new_tokens,
+            stop_tokens=stops,
+            sampling=gen.Sampling.make(temperature, seed=seed + first),
+        )
         for i, j in enumerate(batch):
             if j == len(written):
-                written.append([np.concatenate([rows[i * B + b], np.asarray(answers[i * B + b], np.int32)])
-                                for b in range(B)])
+                written.append(
+                    [np.concatenate([rows[i * B + b], np.asarray(answers[i * B + b], np.int32)]) for b in range(B)]
+                )
     return probes_from_rows(written)
 
 
@@ -73,6 +91,5 @@ def probes_from_rows(rows: Sequence[Sequence[np.ndarray]]) -> Probes:
     num_valid = np.zeros((len(rows), len(rows[0])), np.int32)  # [P, B]
     for p, per_probe in enumerate(rows):
         for b, r in enumerate(per_probe):
-            tokens[p, b, :len(r)], num_valid[p, b] = r, len(r)
+            tokens[p, b, : len(r)], num_valid[p, b] = r, len(r)
     return Probes(tokens=jnp.asarray(tokens), num_valid=jnp.asarray(num_valid))
-

@@ -22,5 +22,18 @@ from kvzip_jax.methods.registry import (
     unregister,
 )
 
-__all__ = ["FAMILIES", "INPUTS", "Inputs", "Method", "MethodError", "NoOptions", "compaction", "eviction", "get",
-           "names", "register", "table", "unregister"]
+__all__ = [
+    "FAMILIES",
+    "INPUTS",
+    "Inputs",
+    "Method",
+    "MethodError",
+    "NoOptions",
+    "compaction",
+    "eviction",
+    "get",
+    "names",
+    "register",
+    "table",
+    "unregister",
+]

@@ -35,8 +35,9 @@ def _prepare(params, cfg, cache, inputs: Inputs, options: matching.MatchingConfi
     config = configured(options, inputs, 1.0)
     if config.on_policy and config.budget != "global":
         return None
-    return matching.reference_queries(params, cfg, cache, inputs.reread, config.sources, config.query_cap,
-                                      config.needs_kvzip_scores, inputs.probes)
+    return matching.reference_queries(
+        params, cfg, cache, inputs.reread, config.sources, config.query_cap, config.needs_kvzip_scores, inputs.probes
+    )
 
 
 def _finish(params, cfg, cache, inputs: Inputs, queries, ratio, options: matching.MatchingConfig):
@@ -61,25 +62,68 @@ def _resolve(options: matching.MatchingConfig, model_name: str | None, cfg) -> m
 def attention_matching(name: str, description: str, **choices) -> Method:
     """An Attention Matching entry of MatchingConfig choices (not registered: pass it to register)."""
     options = matching.MatchingConfig(**choices)
-    return Method(name=name, family="compaction", question_aware=False, paper=PAPER, description=description,
-                  options=options, prepare=_prepare, finish=_finish, needs=("reread",), uses=("queries", "probes"),
-                  static_ratio=True, eager=options.on_policy, resolve=_resolve)
+    return Method(
+        name=name,
+        family="compaction",
+        question_aware=False,
+        paper=PAPER,
+        description=description,
+        options=options,
+        prepare=_prepare,
+        finish=_finish,
+        needs=("reread",),
+        uses=("queries", "probes"),
+        static_ratio=True,
+        eager=options.on_policy,
+        resolve=_resolve,
+    )
 
 
 _KVZIP_AM = dict(selector="kvzip", budget_scores="kvzip")
-register(attention_matching("am-hak", "keys of highest attention from the reread's queries; per-key bias and "
-                            "values fitted in closed form; global budgets by attention", selector="hak"))
-register(attention_matching("am-omp", "keys chosen by orthogonal matching pursuit on the attention mass; bias and "
-                            "values fitted", selector="omp"))
-register(attention_matching("kvzip-am", "KVzip's selection and budgets, then the bias and values fitted",
-                            **_KVZIP_AM))
-register(attention_matching("am-hak-kb", "HAK's keys within KVzip's own per-head budgets (no head cap)",
-                            selector="hak", budget_scores="kvzip", head_cap=1.0))
-register(attention_matching("am-hak-pb", "HAK's keys under the model's searched per-head budget profile",
-                            selector="hak", budget="profile"))
-register(attention_matching("am-hak-op", "am-hak fitted layer by layer to the queries of the layers already "
-                            "compacted (on-policy)", selector="hak", on_policy=True))
-register(attention_matching("kvzip-am-op", "kvzip-am fitted layer by layer (on-policy)", **_KVZIP_AM,
-                            on_policy=True))
-register(attention_matching("am-hak-fl", "am-hak with each token's value latent fitted apart from its key "
-                            "(multi-head latent attention only)", selector="hak", latent_values="fitted"))
+register(
+    attention_matching(
+        "am-hak",
+        "keys of highest attention from the reread's queries; per-key bias and "
+        "values fitted in closed form; global budgets by attention",
+        selector="hak",
+    )
+)
+register(
+    attention_matching(
+        "am-omp",
+        "keys chosen by orthogonal matching pursuit on the attention mass; bias and values fitted",
+        selector="omp",
+    )
+)
+register(attention_matching("kvzip-am", "KVzip's selection and budgets, then the bias and values fitted", **_KVZIP_AM))
+register(
+    attention_matching(
+        "am-hak-kb",
+        "HAK's keys within KVzip's own per-head budgets (no head cap)",
+        selector="hak",
+        budget_scores="kvzip",
+        head_cap=1.0,
+    )
+)
+register(
+    attention_matching(
+        "am-hak-pb", "HAK's keys under the model's searched per-head budget profile", selector="hak", budget="profile"
+    )
+)
+register(
+    attention_matching(
+        "am-hak-op",
+        "am-hak fitted layer by layer to the queries of the layers already compacted (on-policy)",
+        selector="hak",
+        on_policy=True,
+    )
+)
+register(attention_matching("kvzip-am-op", "kvzip-am fitted layer by layer (on-policy)", **_KVZIP_AM, on_policy=True))
+register(
+    attention_matching(
+        "am-hak-fl",
+        "am-hak with each token's value latent fitted apart from its key (multi-head latent attention only)",
+        selector="hak",
+        latent_values="fitted",
+    )
+)

@@ -33,8 +33,17 @@ def _kvzip_finish(params, cfg, cache, inputs: Inputs, scores, ratio, options: kv
 
 def _baseline_prepare(name: str, params, cfg, cache, inputs: Inputs, options):
     """[L, B, K, n] the baseline's scores (baselines.baseline_scores)."""
-    return baselines.baseline_scores(name, params, cfg, cache, inputs.prefix_len, inputs.context_len,
-                                     inputs.context_tokens, question=inputs.question, key=inputs.key)
+    return baselines.baseline_scores(
+        name,
+        params,
+        cfg,
+        cache,
+        inputs.prefix_len,
+        inputs.context_len,
+        inputs.context_tokens,
+        question=inputs.question,
+        key=inputs.key,
+    )
 
 
 def _baseline_finish(name: str, params, cfg, cache, inputs: Inputs, scores, ratio, options):
@@ -43,26 +52,79 @@ def _baseline_finish(name: str, params, cfg, cache, inputs: Inputs, scores, rati
 
 
 def _baseline(name: str, question_aware: bool, paper: str, description: str, needs: tuple[str, ...]) -> Method:
-    return Method(name=name, family="eviction", question_aware=question_aware, paper=paper, description=description,
-                  options=NoOptions(), prepare=functools.partial(_baseline_prepare, name),
-                  finish=functools.partial(_baseline_finish, name), needs=needs,
-                  uses=("question",) if question_aware else ())
+    return Method(
+        name=name,
+        family="eviction",
+        question_aware=question_aware,
+        paper=paper,
+        description=description,
+        options=NoOptions(),
+        prepare=functools.partial(_baseline_prepare, name),
+        finish=functools.partial(_baseline_finish, name),
+        needs=needs,
+        uses=("question",) if question_aware else (),
+    )
 
 
-KVZIP = register(Method(
-    name="kvzip", family="eviction", question_aware=False, paper="KVzip, arXiv 2505.23416",
-    description="the model rereads the context over its own cache; the pairs that reread attends to least go, in "
-                "one top-k over every layer and head (option level: pair, pair-uniform, layer, head)",
-    options=kvzip.KVzipConfig(), prepare=_kvzip_scores, finish=_kvzip_finish, needs=("reread",),
-    uses=("kvzip_scores",)))
+KVZIP = register(
+    Method(
+        name="kvzip",
+        family="eviction",
+        question_aware=False,
+        paper="KVzip, arXiv 2505.23416",
+        description="the model rereads the context over its own cache; the pairs that reread attends to least go, in "
+        "one top-k over every layer and head (option level: pair, pair-uniform, layer, head)",
+        options=kvzip.KVzipConfig(),
+        prepare=_kvzip_scores,
+        finish=_kvzip_finish,
+        needs=("reread",),
+        uses=("kvzip_scores",),
+    )
+)
 _REPLAY = ("context_tokens",)  # the context's ids: replayed by the attention baselines, its width for the others
-register(_baseline("h2o", True, "H2O, arXiv 2306.14048", "accumulated attention of the context's tokens and the "
-                   "question's; the same count in every layer", _REPLAY))
-register(_baseline("snapkv", True, "SnapKV, arXiv 2404.14469", "attention of an observation window (the question, "
-                   "else the context's last tokens), pooled; the same count in every layer", _REPLAY))
-register(_baseline("pyramidkv", True, "PyramidKV, arXiv 2406.02069", "SnapKV's scores under layer budgets that "
-                   "shrink with depth", _REPLAY))
-register(_baseline("streamingllm", False, "StreamingLLM, arXiv 2309.17453", "the first tokens (attention sinks) "
-                   "and the most recent ones", _REPLAY))
-register(_baseline("random", False, "KVzip's random baseline", "uniformly random pairs, the same count in every "
-                   "layer", ("context_tokens", "key")))
+register(
+    _baseline(
+        "h2o",
+        True,
+        "H2O, arXiv 2306.14048",
+        "accumulated attention of the context's tokens and the question's; the same count in every layer",
+        _REPLAY,
+    )
+)
+register(
+    _baseline(
+        "snapkv",
+        True,
+        "SnapKV, arXiv 2404.14469",
+        "attention of an observation window (the question, "
+        "else the context's last tokens), pooled; the same count in every layer",
+        _REPLAY,
+    )
+)
+register(
+    _baseline(
+        "pyramidkv",
+        True,
+        "PyramidKV, arXiv 2406.02069",
+        "SnapKV's scores under layer budgets that shrink with depth",
+        _REPLAY,
+    )
+)
+register(
+    _baseline(
+        "streamingllm",
+        False,
+        "StreamingLLM, arXiv 2309.17453",
+        "the first tokens (attention sinks) and the most recent ones",
+        _REPLAY,
+    )
+)
+register(
+    _baseline(
+        "random",
+        False,
+        "KVzip's random baseline",
+        "uniformly random pairs, the same count in every layer",
+        ("context_tokens", "key"),
+    )
+)

@@ -21,8 +21,10 @@ import jax.numpy as jnp
 
 from kvzip_jax.errors import KvzipError
 
-FAMILIES = {"eviction": "context pairs scored, the lowest evicted (a masked cache)",  # family: what it does
-            "compaction": "keys selected, their values and a per-key bias fitted (a compacted cache)"}
+FAMILIES = {
+    "eviction": "context pairs scored, the lowest evicted (a masked cache)",  # family: what it does
+    "compaction": "keys selected, their values and a per-key bias fitted (a compacted cache)",
+}
 INPUTS = ("reread", "context_tokens", "question", "key", "probes", "queries", "kvzip_scores")
 
 
@@ -141,7 +143,8 @@ class Method:
             return _jitted(self.finish, ("ratio",))
         jitted = _jitted(self.finish, ())
         return lambda params, cfg, cache, inputs, state, ratio, options: jitted(
-            params, cfg, cache, inputs, state, jnp.float32(ratio), options)
+            params, cfg, cache, inputs, state, jnp.float32(ratio), options
+        )
 
 
 @functools.cache
@@ -180,6 +183,8 @@ def names() -> tuple[str, ...]:
 def table() -> str:
     """The registry as a markdown table: name, family, question-aware, paper, description."""
     rows = [("method", "family", "sees the question", "paper", "what it does"), ("---",) * 5]
-    rows += [(f"`{m.name}`", m.family, "yes" if m.question_aware else "no", m.paper, m.description)
-             for m in map(get, names())]
+    rows += [
+        (f"`{m.name}`", m.family, "yes" if m.question_aware else "no", m.paper, m.description)
+        for m in map(get, names())
+    ]
     return "\n".join("| " + " | ".join(row) + " |" for row in rows)

@@ -7,7 +7,8 @@ a donated cache in place, where reading the old cache and writing a new one copi
 every step. Three forms:
   dense_attention    materialises scores over all keys; for observers that read them
   blocked_attention  online softmax over key blocks of a dense cache [B, K, C, H]
-  ragged_attention   online softmax over a flat per-layer store [B, S, H] of per-head segments (ragged caches)
+  ragged_attention   online softmax over a flat per-layer store [B, S, H] of per-head segments (ragged caches;
+                     ragged_attention.py)
 
 Einsum legend: B batch, T query positions, S key slots, K KV heads, G query heads per KV head, M = G T query rows
 per KV head, H head dim, D model width, N blocks.
@@ -22,17 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax.models import layers
-
-# Re-exported: the observers of kvzip/, baselines/ and matching/ import the hook from here.
-from kvzip_jax.models.observer import AttentionView, Observer, map_key_blocks, take_keys  # noqa: F401
 from kvzip_jax.quant import groups as quant
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite, so an all-masked row never gives inf - inf
 BLOCK_ELEMENTS = 1 << 21  # most elements of one block's [query rows x keys] weights in blocked_attention
 
 
-def attention_mask(query_slots: jax.Array, key_slots: jax.Array, key_visible: jax.Array,
-                   window: int | None) -> jax.Array:
+def attention_mask(
+    query_slots: jax.Array, key_slots: jax.Array, key_visible: jax.Array, window: int | None
+) -> jax.Array:
     """[B, K, T, S] bool: a key is visible to a query iff key_visible [B, K, S], its slot <= the query's slot,
     and (with a window) the query's slot - its slot < window. query_slots [B, K, T], key_slots [B, K, S]."""
     q = query_slots[..., None]  # [B, K, T, 1]
@@ -75,7 +74,7 @@ def dense_keys(k, v, k_new, v_new, filled, query_slots, window, key_keep=None):
     return keys, values, key_slots, mask
 
 
-def _rows(q: jax.Array, scale: float) -> jax.Array:
+def query_rows(q: jax.Array, scale: float) -> jax.Array:
     """q [B, T, K, G, H] -> scaled float32 query rows [B, K, M = G T, H]."""
     B, T, K, G, H = q.shape
     return (q.astype(jnp.float32) * scale).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
@@ -118,7 +117,7 @@ def _visit(state, qm, kb, vb, visible, in_subset=None, bias=None):
     return m_new, l, acc, l_subset * correction + subset_sum
 
 
-def _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window):
+def visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window):
     """Online-softmax steps over the T new keys, causal among themselves: the queries go in tiles of `width` and
     each tile visits only the key blocks of `width` at or before it (the blocks after it are masked anyway), so
     the causal half costs half of the whole square."""
@@ -129,8 +128,9 @@ def _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window):
     n = -(-T // width)
     key_slots = filled[..., None] + jnp.arange(n * width, dtype=jnp.int32)  # [B, K, n width]
     if n == 1:
-        return _visit(state, qm, k_new, v_new, attention_mask(query_slots, key_slots, jnp.ones_like(key_slots, bool),
-                                                              window))
+        return _visit(
+            state, qm, k_new, v_new, attention_mask(query_slots, key_slots, jnp.ones_like(key_slots, bool), window)
+        )
     pad = n * width - T  # padding keys sit after every real query; padding queries are dropped at the end
     grow = lambda x, axis: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
     k_new, v_new = grow(k_new, 2), grow(v_new, 2)
@@ -171,7 +171,7 @@ def _power_of_two_at_most(n: int, smallest: int, largest: int) -> int:
     return min(max(1 << (max(n, 1).bit_length() - 1), smallest), largest)
 
 
-def _finish(state, q):
+def finished(state, q):
     """(out [B, T, K, G, H], lse, subset_lse [B, K, G, T]): the log-sum-exp of each query row's visible logits,
     over all keys and over the subset."""
     m, l, acc, l_subset = state
@@ -191,8 +191,22 @@ def key_block(rows: int, largest: int = 256, smallest: int = 64) -> int:
     return _power_of_two_at_most(BLOCK_ELEMENTS // max(rows, 1), smallest, largest)
 
 
-def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                      key_keep=None, block: int | None = None, subset=None, key_bias=None, latent_keys: bool = False):
+def blocked_attention(
+    q,
+    k,
+    v,
+    filled,
+    k_new,
+    v_new,
+    query_slots,
+    window: int | None,
+    scale: float,
+    key_keep=None,
+    block: int | None = None,
+    subset=None,
+    key_bias=None,
+    latent_keys: bool = False,
+):
     """dense_attention's output without materialising scores over the cache.
 
     q [B, T, K, G, H]; k, v [B, K, C, H] the cache (arrays, or quant.Quantized rows: dequantized one block at a
@@ -207,16 +221,41 @@ def blocked_attention(q, k, v, filled, k_new, v_new, query_slots, window: int | 
     added per cache slot (a compacted cache's beta), or None. latent_keys: MLA's absorbed form, where a slot's key is
     [v | k] (its latent, then its RoPE key; q is as wide) and its value v (models/mla.py).
     """
-    qm = _rows(q, scale)
-    state = _visit_cache(_empty_state(qm, v.shape[-1]), qm, k, v, filled, query_slots, window, block, key_keep,
-                         subset, key_bias, latent_keys=latent_keys)
+    qm = query_rows(q, scale)
+    state = _visit_cache(
+        _empty_state(qm, v.shape[-1]),
+        qm,
+        k,
+        v,
+        filled,
+        query_slots,
+        window,
+        block,
+        key_keep,
+        subset,
+        key_bias,
+        latent_keys=latent_keys,
+    )
     if k_new is not None:
-        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
-    return _finish(state, q)
+        state = visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
+    return finished(state, q)
 
 
-def _visit_cache(state, qm, k, v, filled, query_slots, window: int | None, block: int | None, key_keep=None,
-                 subset=None, key_bias=None, first_slot=None, latent_keys: bool = False):
+def _visit_cache(
+    state,
+    qm,
+    k,
+    v,
+    filled,
+    query_slots,
+    window: int | None,
+    block: int | None,
+    key_keep=None,
+    subset=None,
+    key_bias=None,
+    first_slot=None,
+    latent_keys: bool = False,
+):
     """blocked_attention's online-softmax steps over the visible slots of a dense cache k, v [B, K, C, H] (arrays or
     Quantized), whose slot j is first_slot [B, K] + j (None: j); latent_keys: keys [v | k] (blocked_attention)."""
     B, K, M, H = qm.shape
@@ -228,8 +267,8 @@ def _visit_cache(state, qm, k, v, filled, query_slots, window: int | None, block
         first = jnp.maximum(jnp.min(query_slots) - window + 1, 0) // block_c
 
     def visit(j, state):
-        kb = _dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), k))
-        vb = _dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), v))
+        kb = dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), k))
+        vb = dequantized(jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, j * block_c, block_c, axis=2), v))
         if latent_keys:
             kb = jnp.concatenate([vb, kb.astype(vb.dtype)], axis=-1)  # [B, K, S, R + dr]
         local = jnp.broadcast_to(j * block_c + jnp.arange(block_c, dtype=jnp.int32), (B, K, block_c))
@@ -245,7 +284,7 @@ def _visit_cache(state, qm, k, v, filled, query_slots, window: int | None, block
     return jax.lax.fori_loop(first, last, visit, state)
 
 
-def _dequantized(x):
+def dequantized(x):
     """x as float32 rows if it is quant.Quantized; else x."""
     return quant.dequantize(x) if isinstance(x, quant.Quantized) else x
 
@@ -254,9 +293,9 @@ def _resumed(q, out, lse, subset_lse, scale: float):
     """The online-softmax state (and the query rows) behind a finished (out, lse, subset_lse): running max lse,
     normaliser 1, weighted values out, subset normaliser exp(subset_lse - lse)."""
     B, T, K, G, _ = q.shape
-    m = lse.reshape(B, K, G * T)  # [B, K, M]: rows ordered (g, t), as _rows orders them
+    m = lse.reshape(B, K, G * T)  # [B, K, M]: rows ordered (g, t), as query_rows orders them
     acc = out.astype(jnp.float32).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, out.shape[-1])
-    return _rows(q, scale), (m, jnp.ones_like(m), acc, jnp.exp(subset_lse.reshape(B, K, G * T) - m))
+    return query_rows(q, scale), (m, jnp.ones_like(m), acc, jnp.exp(subset_lse.reshape(B, K, G * T) - m))
 
 
 def shifted(out, lse, subset_lse, shift):
@@ -268,14 +307,30 @@ def shifted(out, lse, subset_lse, shift):
     return out, move(lse), move(subset_lse)
 
 
-def then_window(q, out, lse, subset_lse, k, v, first_slot, filled, query_slots, window: int | None, scale: float,
-                latent_keys: bool = False):
+def then_window(
+    q,
+    out,
+    lse,
+    subset_lse,
+    k,
+    v,
+    first_slot,
+    filled,
+    query_slots,
+    window: int | None,
+    scale: float,
+    latent_keys: bool = False,
+):
     """blocked_attention over [a cache | a window of keys after it] from its result over the cache alone (out, lse,
     subset_lse as blocked_attention returns them): the window's k, v [B, K, R, H] hold filled [B, K] keys at slots
     first_slot [B, K] + j (a quantized layer's full-precision window, written first)."""
     qm, state = _resumed(q, out, lse, subset_lse, scale)
-    return _finish(_visit_cache(state, qm, k, v, filled, query_slots, window, None, first_slot=first_slot,
-                                latent_keys=latent_keys), q)
+    return finished(
+        _visit_cache(
+            state, qm, k, v, filled, query_slots, window, None, first_slot=first_slot, latent_keys=latent_keys
+        ),
+        q,
+    )
 
 
 def then_new_keys(q, out, lse, subset_lse, k_new, v_new, filled, query_slots, window: int | None, scale: float):
@@ -284,80 +339,4 @@ def then_new_keys(q, out, lse, subset_lse, k_new, v_new, filled, query_slots, wi
     (running max lse, normaliser 1, weighted values out, subset normaliser exp(subset_lse - lse)) and the T new keys
     visited. Used where the cache's part was computed elsewhere (seq shards merged, seq_attention.py)."""
     qm, state = _resumed(q, out, lse, subset_lse, scale)
-    return _finish(_visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window), q)
-
-
-RAGGED_CHUNK_SLOTS = 4096  # store slots a quantized ragged layer dequantizes at a time
-
-
-def ragged_attention(q, k, v, offsets, filled, k_new, v_new, query_slots, window: int | None, scale: float,
-                     block: int, key_bias=None, latent_keys: bool = False) -> jax.Array:
-    """blocked_attention's result over a ragged layer: k, v [B, S, H] hold per-head segments that start at
-    offsets [B, K] (multiples of `block`); head k's slot i lives at offsets[:, k] + i; filled [B, K]; k_new, v_new
-    as in blocked_attention (None: already written); key_bias [B, S]: a logit added per store slot, or None;
-    latent_keys as in blocked_attention.
-
-    Each block of the flat store belongs to one head, so work is proportional to the stored pairs, not to the
-    most-kept head: every block is scored against its head's queries, the blocks are reduced to per-head
-    online-softmax states, then the new keys are visited. Quantized k, v (quant.Quantized rows) go in chunks of
-    blocks, each dequantized when it is visited, so no float copy of the whole store exists. Returns
-    blocked_attention's triple (no subset).
-    """
-    B, T, K, G, H = q.shape
-    num_blocks = k.shape[1] // block
-    qm = _rows(q, scale)  # [B, K, M, H]
-    quantized = isinstance(k, quant.Quantized)
-    per_chunk = math.gcd(num_blocks, max(RAGGED_CHUNK_SLOTS // block, 1)) if quantized else num_blocks
-    chunk = lambda c: _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block, key_bias, c * per_chunk,
-                                    per_chunk, latent_keys)
-    if per_chunk == num_blocks:
-        state = chunk(0)
-    else:
-        state = jax.lax.fori_loop(1, num_blocks // per_chunk, lambda c, st: _merged(st, chunk(c)), chunk(0))
-    if k_new is not None:
-        state = _visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window)
-    return _finish(state, q)
-
-
-def _ragged_chunk(qm, k, v, offsets, filled, query_slots, window, block: int, key_bias, first: int, count: int,
-                  latent_keys: bool = False):
-    """The per-head online-softmax state [B, K, M] (max, normaliser, subset normaliser) and [B, K, M, H] (weighted
-    values) of qm [B, K, M, H] over the ragged store's blocks [first, first + count)."""
-    B, K, M, H = qm.shape
-    T = query_slots.shape[2]
-    G = M // T
-    take = lambda x: _dequantized(jax.tree.map(
-        lambda a: jax.lax.dynamic_slice_in_dim(a, first * block, count * block, axis=1), x))
-    starts = (first + jnp.arange(count, dtype=jnp.int32)) * block  # [N]
-    owner = jnp.clip(jax.vmap(lambda o: jnp.searchsorted(o, starts, side="right"))(offsets) - 1, 0, K - 1)  # [B, N]
-    one_hot = jax.nn.one_hot(owner, K, dtype=jnp.float32)  # [B, N, K]
-    q_of_block = jnp.take_along_axis(qm, owner[:, :, None, None], axis=1)  # [B, N, M, H]
-    qs_of_block = jnp.take_along_axis(query_slots, owner[:, :, None], axis=1)  # [B, N, T]
-    local = starts[None, :, None] + jnp.arange(block) - jnp.take_along_axis(offsets, owner, 1)[..., None]  # [B,N,b]
-    visible = local < jnp.take_along_axis(filled, owner, 1)[..., None]  # [B, N, block]
-    visible = attention_mask(qs_of_block, local, visible, window)  # [B, N, T, block]
-    kb = take(k).reshape(B, count, block, -1)
-    vb = take(v).reshape(B, count, block, -1)
-    if latent_keys:
-        kb = jnp.concatenate([vb, kb.astype(vb.dtype)], axis=-1)  # [B, N, block, R + dr]
-    s = jnp.einsum("BNMH,BNSH->BNMS", q_of_block, kb, preferred_element_type=jnp.float32)
-    if key_bias is not None:  # a -inf bias makes a key as masked as MASK_VALUE does (a block's max stays finite)
-        bias = jax.lax.dynamic_slice_in_dim(key_bias, first * block, count * block, axis=1)
-        s = jnp.maximum(s + bias.reshape(B, count, 1, block), MASK_VALUE)
-    s = jnp.where(visible[:, :, None], s.reshape(B, count, G, T, block), MASK_VALUE).reshape(B, count, M, block)
-    m_block = s.max(axis=-1)  # [B, N, M]
-    p = jnp.exp(s - m_block[..., None])
-    l_block = p.sum(axis=-1)  # [B, N, M]
-    acc_block = jnp.einsum("BNMS,BNSH->BNMH", p, vb.astype(jnp.float32))
-    m_head = jnp.where(one_hot[..., None] > 0, m_block[:, :, None, :], MASK_VALUE).max(axis=1)  # [B, K, M]
-    weight = jnp.exp(m_block - jnp.take_along_axis(m_head, owner[:, :, None], axis=1))  # [B, N, M]
-    l_head = jnp.einsum("BNK,BNM->BKM", one_hot, l_block * weight)
-    acc_head = jnp.einsum("BNK,BNMH->BKMH", one_hot, acc_block * weight[..., None])
-    return m_head, l_head, acc_head, l_head
-
-
-def _merged(a, b):
-    """One online-softmax state from two over disjoint key sets."""
-    m = jnp.maximum(a[0], b[0])
-    wa, wb = jnp.exp(a[0] - m), jnp.exp(b[0] - m)
-    return m, a[1] * wa + b[1] * wb, a[2] * wa[..., None] + b[2] * wb[..., None], a[3] * wa + b[3] * wb
+    return finished(visit_new_keys(state, qm, k_new, v_new, filled, query_slots, window), q)

@@ -13,9 +13,13 @@ def linear_flops_per_token(cfg: ModelConfig) -> int:
         q = D * N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         if m.q_lora_rank is not None:
             q = D * m.q_lora_rank + m.q_lora_rank * N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-        per_layer = (q + D * (m.kv_lora_rank + m.qk_rope_head_dim)
-                     + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)  # W_UK into q, W_UV after
-                     + N * m.v_head_dim * D + 3 * D * F)
+        per_layer = (
+            q
+            + D * (m.kv_lora_rank + m.qk_rope_head_dim)
+            + N * m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)  # W_UK into q, W_UV after
+            + N * m.v_head_dim * D
+            + 3 * D * F
+        )
     return 2 * per_layer * cfg.num_layers
 
 
@@ -48,8 +52,9 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int) -> int:
     return linear_flops_per_token(cfg) * num_tokens + attention_flops(cfg, num_tokens) + lm_head
 
 
-def kvzip_scoring_flops(cfg: ModelConfig, cached: int, reread_lengths: list[int], chunk_lengths: list[int],
-                        scored_layers: int) -> int:
+def kvzip_scoring_flops(
+    cfg: ModelConfig, cached: int, reread_lengths: list[int], chunk_lengths: list[int], scored_layers: int
+) -> int:
     """FLOPs KVzip's reconstruction scoring must do over a cache of `cached` tokens ([prefix | context]).
 
     Per chunk t, the reread of reread_lengths[t] tokens runs on top of the whole cache, without the LM head and

@@ -42,7 +42,8 @@ def rope_inv_freq(spec: RopeSpec, head_dim: int) -> np.ndarray:
         wavelen = 2 * np.pi / inv_freq
         scaled = np.where(wavelen > low_wavelen, inv_freq / spec.factor, inv_freq)
         smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (
-            spec.high_freq_factor - spec.low_freq_factor)
+            spec.high_freq_factor - spec.low_freq_factor
+        )
         smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled).astype(np.float32)

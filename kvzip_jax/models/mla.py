@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models import attention, layers
+from kvzip_jax.models import attention, layers, ragged_attention
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm and kv_a_layernorm keep their default eps, not the config's
 
@@ -57,7 +57,7 @@ def up_projections(p, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """(W_UK [R, N, dn], W_UV [R, N, dv]) from kv_b."""
     m = cfg.mla
     kv_b = p("kv_b").reshape(m.kv_lora_rank, cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim)
-    return kv_b[..., :m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim:]
+    return kv_b[..., : m.qk_nope_head_dim], kv_b[..., m.qk_nope_head_dim :]
 
 
 def split(cfg: ModelConfig, layer_cache) -> bool:
@@ -115,19 +115,54 @@ def _latent_attention(q, layer_cache, query_slots, window, scale: float, shared:
     if isinstance(layer_cache, kv.QuantizedLayerCache):
         store = layer_cache.store
         cached = _latent_attention_parts(q, store, query_slots, window, scale, shared)
-        q_keys = q[..., store.v.shape[-1]:] if shared else q  # what meets the cache's k: shared, its RoPE part
+        q_keys = q[..., store.v.shape[-1] :] if shared else q  # what meets the cache's k: shared, its RoPE part
         cached = attention.shifted(*cached, layer_cache.center_logits(q_keys, scale))
-        return attention.then_window(q, *cached, layer_cache.window.k, layer_cache.window.v, store.lengths,
-                                     layer_cache.window.lengths, query_slots, window, scale, latent_keys=shared)[0]
+        return attention.then_window(
+            q,
+            *cached,
+            layer_cache.window.k,
+            layer_cache.window.v,
+            store.lengths,
+            layer_cache.window.lengths,
+            query_slots,
+            window,
+            scale,
+            latent_keys=shared,
+        )[0]
     return _latent_attention_parts(q, layer_cache, query_slots, window, scale, shared)[0]
 
 
 def _latent_attention_parts(q, layer, query_slots, window, scale: float, shared: bool):
     if isinstance(layer, kv.RaggedLayerCache):
-        return attention.ragged_attention(q, layer.k, layer.v, layer.offsets, layer.lengths, None, None, query_slots,
-                                          window, scale, layer.block, layer.bias, latent_keys=shared)
-    return attention.blocked_attention(q, layer.k, layer.v, layer.lengths, None, None, query_slots, window, scale,
-                                       layer.keep, key_bias=layer.bias, latent_keys=shared)
+        return ragged_attention.ragged_attention(
+            q,
+            layer.k,
+            layer.v,
+            layer.offsets,
+            layer.lengths,
+            None,
+            None,
+            query_slots,
+            window,
+            scale,
+            layer.block,
+            layer.bias,
+            latent_keys=shared,
+        )
+    return attention.blocked_attention(
+        q,
+        layer.k,
+        layer.v,
+        layer.lengths,
+        None,
+        None,
+        query_slots,
+        window,
+        scale,
+        layer.keep,
+        key_bias=layer.bias,
+        latent_keys=shared,
+    )
 
 
 def _naive(cfg: ModelConfig, q_nope, q_rope, w_uk, w_uv, layer_cache, query_slots, window):
@@ -144,7 +179,17 @@ def _naive(cfg: ModelConfig, q_nope, q_rope, w_uk, w_uv, layer_cache, query_slot
     values = jnp.einsum("BCR,RNv->BNCv", latents, w_uv.astype(jnp.float32))  # [B, N, C, dv]
     per_head = lambda x: None if x is None else jnp.broadcast_to(x, (B, N) + x.shape[2:])
     q = jnp.concatenate([q_nope, q_rope], axis=-1)[:, :, :, None]  # [B, T, N, 1, dn + dr]
-    out, _, _ = attention.blocked_attention(q, keys, values, per_head(layer_cache.lengths), None, None,
-                                            per_head(query_slots), window, cfg.query_scale, per_head(layer_cache.keep),
-                                            key_bias=per_head(layer_cache.bias))
+    out, _, _ = attention.blocked_attention(
+        q,
+        keys,
+        values,
+        per_head(layer_cache.lengths),
+        None,
+        None,
+        per_head(query_slots),
+        window,
+        cfg.query_scale,
+        per_head(layer_cache.keep),
+        key_bias=per_head(layer_cache.bias),
+    )
     return out[:, :, :, 0]  # [B, T, N, dv]

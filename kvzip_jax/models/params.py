@@ -40,8 +40,14 @@ def layer_name(i: int) -> str:
 
 def param_shapes(cfg: ModelConfig) -> dict:
     """Nested dict of parameter name -> shape tuple."""
-    D, F, H, N, K, V = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads,
-                        cfg.num_kv_heads, cfg.vocab_size)
+    D, F, H, N, K, V = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.head_dim,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.vocab_size,
+    )
     layer = {
         "attn_norm": (D,),
         "qkv": (D, (N + 2 * K) * H),
@@ -72,16 +78,25 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def _mla_shapes(cfg: ModelConfig) -> dict:
     m, D, N = cfg.mla, cfg.hidden_size, cfg.num_heads
     q_width = N * (m.qk_nope_head_dim + m.qk_rope_head_dim)
-    shapes = {"q": (D, q_width)} if m.q_lora_rank is None else {
-        "q_a": (D, m.q_lora_rank), "q_a_norm": (m.q_lora_rank,), "q_b": (m.q_lora_rank, q_width)}
-    return {**shapes, "kv_a": (D, m.kv_lora_rank + m.qk_rope_head_dim), "kv_a_norm": (m.kv_lora_rank,),
-            "kv_b": (m.kv_lora_rank, N * (m.qk_nope_head_dim + m.v_head_dim)), "o": (N * m.v_head_dim, D)}
+    shapes = (
+        {"q": (D, q_width)}
+        if m.q_lora_rank is None
+        else {"q_a": (D, m.q_lora_rank), "q_a_norm": (m.q_lora_rank,), "q_b": (m.q_lora_rank, q_width)}
+    )
+    return {
+        **shapes,
+        "kv_a": (D, m.kv_lora_rank + m.qk_rope_head_dim),
+        "kv_a_norm": (m.kv_lora_rank,),
+        "kv_b": (m.kv_lora_rank, N * (m.qk_nope_head_dim + m.v_head_dim)),
+        "o": (N * m.v_head_dim, D),
+    }
 
 
 def abstract_params(cfg: ModelConfig, dtype=jnp.float32) -> dict:
     """The parameter tree as jax.ShapeDtypeStruct leaves (restore targets, shape checks)."""
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg),
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, dtype), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def init_params(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> dict:

@@ -54,16 +54,20 @@ def seq_split(layer_cache: kv.LayerCache | kv.RaggedLayerCache) -> SeqSplit | No
     return SeqSplit(mesh, spec) if spec[2] == SEQ else None
 
 
-def merged_attention(q, layer_cache: kv.LayerCache, query_slots, window: int | None, scale: float, split: SeqSplit,
-                     in_subset=None):
+def merged_attention(
+    q, layer_cache: kv.LayerCache, query_slots, window: int | None, scale: float, split: SeqSplit, in_subset=None
+):
     """blocked_attention of q [B, T, K, G, H] over a dense cache's visible slots, one seq shard at a time, merged
     exactly; query_slots [B, K, T]; in_subset [B, K, C] bool marks the slots of the subset normaliser (None: all).
     -> (out [B, T, K, G, H] in q's dtype, lse, subset_lse [B, K, G, T]) as blocked_attention returns them."""
     data, tensor = split.spec[0], split.spec[1]
     rows, slots = PartitionSpec(data, tensor, None, None), PartitionSpec(data, tensor, SEQ)
     query_spec = PartitionSpec(data, None, tensor, None, None)
-    optional = {name: x for name, x in (("keep", layer_cache.keep), ("bias", layer_cache.bias),
-                                        ("in_subset", in_subset)) if x is not None}
+    optional = {
+        name: x
+        for name, x in (("keep", layer_cache.keep), ("bias", layer_cache.bias), ("in_subset", in_subset))
+        if x is not None
+    }
 
     def local(q, k, v, filled, query_slots, *arrays):  # this shard's C / S slots
         extra = dict(zip(optional, arrays))
@@ -72,9 +76,20 @@ def merged_attention(q, layer_cache: kv.LayerCache, query_slots, window: int | N
         subset = None
         if "in_subset" in extra:
             subset = lambda slots: jnp.take_along_axis(extra["in_subset"], slots, axis=2)  # noqa: E731
-        out, lse, subset_lse = blocked_attention(q, k, v, jnp.clip(filled - first, 0, width), None, None,
-                                                 query_slots - first, window, scale, extra.get("keep"), subset=subset,
-                                                 key_bias=extra.get("bias"))  # out [B, T, K, G, H], lse [B, K, G, T]
+        out, lse, subset_lse = blocked_attention(
+            q,
+            k,
+            v,
+            jnp.clip(filled - first, 0, width),
+            None,
+            None,
+            query_slots - first,
+            window,
+            scale,
+            extra.get("keep"),
+            subset=subset,
+            key_bias=extra.get("bias"),
+        )  # out [B, T, K, G, H], lse [B, K, G, T]
         top = jax.lax.pmax(lse, SEQ)
         weight = jnp.exp(lse - top)  # [B, K, G, T]
         total = jax.lax.psum(weight, SEQ)  # >= 1: the shard holding the max contributes exp(0)
@@ -86,9 +101,13 @@ def merged_attention(q, layer_cache: kv.LayerCache, query_slots, window: int | N
         return out, log(total), log(subset_total)
 
     in_specs = (query_spec, split.spec, split.spec, PartitionSpec(data, tensor), PartitionSpec(data, tensor, None))
-    return jax.shard_map(local, mesh=split.mesh, in_specs=in_specs + (slots,) * len(optional),
-                         out_specs=(query_spec, rows, rows), check_vma=False)(
-        q, layer_cache.k, layer_cache.v, layer_cache.lengths, query_slots, *optional.values())
+    return jax.shard_map(
+        local,
+        mesh=split.mesh,
+        in_specs=in_specs + (slots,) * len(optional),
+        out_specs=(query_spec, rows, rows),
+        check_vma=False,
+    )(q, layer_cache.k, layer_cache.v, layer_cache.lengths, query_slots, *optional.values())
 
 
 def split_write(layer: kv.LayerCache, k_new, v_new, num_new, split: SeqSplit) -> kv.LayerCache:
@@ -107,8 +126,11 @@ def split_write(layer: kv.LayerCache, k_new, v_new, num_new, split: SeqSplit) ->
         put = lambda cache, new: cache.at[batch, head, target].set(new.astype(cache.dtype), mode="drop")  # noqa: E731
         return put(k, k_new), put(v, v_new)
 
-    k, v = jax.shard_map(local, mesh=split.mesh, in_specs=(split.spec, split.spec, PartitionSpec(data, tensor),
-                                                           new_spec, new_spec, PartitionSpec(data)),
-                         out_specs=(split.spec, split.spec), check_vma=False)(
-        layer.k, layer.v, layer.lengths, k_new, v_new, num_new.astype(jnp.int32))
+    k, v = jax.shard_map(
+        local,
+        mesh=split.mesh,
+        in_specs=(split.spec, split.spec, PartitionSpec(data, tensor), new_spec, new_spec, PartitionSpec(data)),
+        out_specs=(split.spec, split.spec),
+        check_vma=False,
+    )(layer.k, layer.v, layer.lengths, k_new, v_new, num_new.astype(jnp.int32))
     return kv.written(layer, k, v, num_new)

@@ -15,14 +15,13 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
-from kvzip_jax.models import attention, layers, mla
+from kvzip_jax.models import attention, layers, mla, ragged_attention
+from kvzip_jax.models.cached_attention import decode_kernel, decode_kernel_applies, quantized_attention
 from kvzip_jax.models.observer import AttentionView, Observer
 from kvzip_jax.models.params import layer_name, param_shapes
 from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
 from kvzip_jax.sharding.rules import constrain_cache
-from pallas_kernels import QuantizedRows, decode_attention, ragged_decode, resolve_impl
-from pallas_kernels.dispatch import supports_head_dim
 
 LOGITS_CHOICES = ("last", "all", "at", None)
 
@@ -111,11 +110,22 @@ class Block(nn.Module):
                 raise ValueError("observers read dense caches; a ragged or quantized cache cannot be observed")
             w_uk, w_uv = mla.up_projections(p, cfg)
             q = mla.absorbed_query(q_nope, q_rope, w_uk)  # [B, T, 1, N, R + dr]
-            latent_o = jnp.einsum("RNv,NvD->NRD", w_uv.astype(jnp.float32),  # W_UV then o, per head: [N, R, D]
-                                  o_proj.reshape(cfg.num_heads, cfg.mla.v_head_dim, -1).astype(jnp.float32))
+            latent_o = jnp.einsum(
+                "RNv,NvD->NRD",
+                w_uv.astype(jnp.float32),  # W_UV then o, per head: [N, R, D]
+                o_proj.reshape(cfg.num_heads, cfg.mla.v_head_dim, -1).astype(jnp.float32),
+            )
             keys_new = k_new if mla.split(cfg, layer_cache) else mla.latent_keys(k_new, v_new)
-            u, observed = self._observe(q, h, mla.split_layout(cfg, layer_cache), keys_new, v_new, query_slots, window,
-                                        latent_o.reshape(-1, latent_o.shape[-1]))
+            u, observed = self._observe(
+                q,
+                h,
+                mla.split_layout(cfg, layer_cache),
+                keys_new,
+                v_new,
+                query_slots,
+                window,
+                latent_o.reshape(-1, latent_o.shape[-1]),
+            )
             out = mla.head_outputs(u, w_uv)
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
         return layers.linear(out.reshape(B, T, -1), o_proj), layer_cache, observed
@@ -127,17 +137,39 @@ class Block(nn.Module):
         if split is not None:  # slots over the mesh's seq axis: per shard, merged through the log-sum-exp
             return merged_attention(q, layer_cache, query_slots, window, scale, split)[0]
         if isinstance(layer_cache, kv.QuantizedLayerCache):
-            kernel = self.cfg.attention_impl if _decode_kernel_applies(self.cfg, q, window) else None
-            return _quantized_attention(q, layer_cache, query_slots, window, scale, kernel)
-        if _decode_kernel_applies(self.cfg, q, window):
-            return _decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
+            kernel = self.cfg.attention_impl if decode_kernel_applies(self.cfg, q, window) else None
+            return quantized_attention(q, layer_cache, query_slots, window, scale, kernel)
+        if decode_kernel_applies(self.cfg, q, window):
+            return decode_kernel(q, layer_cache, scale, self.cfg.attention_impl)
         if isinstance(layer_cache, kv.RaggedLayerCache):
-            out, _, _ = attention.ragged_attention(q, layer_cache.k, layer_cache.v, layer_cache.offsets, filled, None,
-                                                   None, query_slots, window, scale, layer_cache.block,
-                                                   layer_cache.bias)
+            out, _, _ = ragged_attention.ragged_attention(
+                q,
+                layer_cache.k,
+                layer_cache.v,
+                layer_cache.offsets,
+                filled,
+                None,
+                None,
+                query_slots,
+                window,
+                scale,
+                layer_cache.block,
+                layer_cache.bias,
+            )
         else:
-            out, _, _ = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, None, None, query_slots,
-                                                    window, scale, layer_cache.keep, key_bias=layer_cache.bias)
+            out, _, _ = attention.blocked_attention(
+                q,
+                layer_cache.k,
+                layer_cache.v,
+                filled,
+                None,
+                None,
+                query_slots,
+                window,
+                scale,
+                layer_cache.keep,
+                key_bias=layer_cache.bias,
+            )
         return out
 
     def _observe(self, q, h, layer_cache, k_new, v_new, query_slots, window, o_proj):
@@ -149,53 +181,57 @@ class Block(nn.Module):
         subset = getattr(self.observer, "normaliser_subset", None)  # keys the observer wants a normaliser over
         split = seq_split(layer_cache)
         if split is None:
-            out, lse, subset_lse = attention.blocked_attention(q, layer_cache.k, layer_cache.v, filled, k_new, v_new,
-                                                               query_slots, window, cfg.query_scale, layer_cache.keep,
-                                                               subset=subset, key_bias=layer_cache.bias)
+            out, lse, subset_lse = attention.blocked_attention(
+                q,
+                layer_cache.k,
+                layer_cache.v,
+                filled,
+                k_new,
+                v_new,
+                query_slots,
+                window,
+                cfg.query_scale,
+                layer_cache.keep,
+                subset=subset,
+                key_bias=layer_cache.bias,
+            )
         else:  # the cache per seq shard, merged through the log-sum-exp; then the new keys
-            slots = jnp.broadcast_to(jnp.arange(layer_cache.capacity, dtype=jnp.int32),
-                                     filled.shape + (layer_cache.capacity,))  # [B, K, C]
-            cached = merged_attention(q, layer_cache, query_slots, window, cfg.query_scale, split,
-                                      None if subset is None else subset(slots))
-            out, lse, subset_lse = attention.then_new_keys(q, *cached, k_new, v_new, filled, query_slots, window,
-                                                           cfg.query_scale)
+            slots = jnp.broadcast_to(
+                jnp.arange(layer_cache.capacity, dtype=jnp.int32), filled.shape + (layer_cache.capacity,)
+            )  # [B, K, C]
+            cached = merged_attention(
+                q, layer_cache, query_slots, window, cfg.query_scale, split, None if subset is None else subset(slots)
+            )
+            out, lse, subset_lse = attention.then_new_keys(
+                q, *cached, k_new, v_new, filled, query_slots, window, cfg.query_scale
+            )
         # Dense weights for the observer; XLA drops them if it never reads them.
-        keys, values, key_slots, mask = attention.dense_keys(layer_cache.k, layer_cache.v, k_new, v_new, filled,
-                                                             query_slots, window, layer_cache.keep)
+        keys, values, key_slots, mask = attention.dense_keys(
+            layer_cache.k, layer_cache.v, k_new, v_new, filled, query_slots, window, layer_cache.keep
+        )
         bias = None if layer_cache.bias is None else jnp.pad(layer_cache.bias, [(0, 0), (0, 0), (0, k_new.shape[2])])
         _, logits, probs = attention.dense_attention(q, keys, values, mask, cfg.query_scale, bias)  # new keys: 0
-        observed = self.observer(AttentionView(
-            layer=self.index, hidden=h, q=q, k=layer_cache.k, v=layer_cache.v, k_new=k_new, v_new=v_new,
-            key_slots=key_slots, query_slots=query_slots, mask=mask, logits=logits, probs=probs,
-            lse=lse, subset_lse=subset_lse, o_proj=o_proj, scale=cfg.query_scale))
+        observed = self.observer(
+            AttentionView(
+                layer=self.index,
+                hidden=h,
+                q=q,
+                k=layer_cache.k,
+                v=layer_cache.v,
+                k_new=k_new,
+                v_new=v_new,
+                key_slots=key_slots,
+                query_slots=query_slots,
+                mask=mask,
+                logits=logits,
+                probs=probs,
+                lse=lse,
+                subset_lse=subset_lse,
+                o_proj=o_proj,
+                scale=cfg.query_scale,
+            )
+        )
         return out, observed
-
-
-def _quantized_attention(q, layer: kv.QuantizedLayerCache, query_slots, window, scale: float, kernel_impl=None):
-    """Attention over a quantized layer holding this step's keys: its store (dequantized block by block, by the decode
-    kernels when kernel_impl is given; centred keys get their centre's logit back), then its full-precision window
-    -> out [B, T, K, G, H]."""
-    store = layer.store
-    if kernel_impl is not None:  # a decode step: the store's tokens all precede the new one (kept in the window)
-        B, T, K, G, H = q.shape
-        rows = q.reshape(B, K, G, H)  # [B, K, M = G, H]
-        k, v = (QuantizedRows(x.codes, x.scale, x.zero) for x in (store.k, store.v))
-        if isinstance(store, kv.RaggedLayerCache):
-            out, lse = ragged_decode(rows, k, v, store.offsets, store.lengths, store.bias, scale=scale,
-                                     impl=kernel_impl)
-        else:
-            out, lse = decode_attention(rows, k, v, store.lengths, store.keep, store.bias, scale=scale,
-                                        impl=kernel_impl)
-        cached = out.reshape(B, T, K, G, H), lse[..., None], lse[..., None]  # [B, 1, K, G, H], [B, K, G, 1]
-    elif isinstance(store, kv.RaggedLayerCache):
-        cached = attention.ragged_attention(q, store.k, store.v, store.offsets, store.lengths, None, None, query_slots,
-                                            window, scale, store.block, store.bias)
-    else:
-        cached = attention.blocked_attention(q, store.k, store.v, store.lengths, None, None, query_slots, window, scale,
-                                             store.keep, key_bias=store.bias)
-    cached = attention.shifted(*cached, layer.center_logits(q, scale))
-    return attention.then_window(q, *cached, layer.window.k, layer.window.v, store.lengths, layer.window.lengths,
-                                 query_slots, window, scale)[0]
 
 
 def _write(layer_cache: kv.LayerCache, k_new, v_new, num_new) -> kv.LayerCache:
@@ -204,25 +240,6 @@ def _write(layer_cache: kv.LayerCache, k_new, v_new, num_new) -> kv.LayerCache:
     if split is None:
         return kv.write(layer_cache, k_new, v_new, num_new)
     return split_write(layer_cache, k_new, v_new, num_new, split)
-
-
-def _decode_kernel_applies(cfg: ModelConfig, q, window) -> bool:
-    """Whether a decode step (one new token; no sliding window) runs on the Pallas decode kernels."""
-    return (q.shape[1] == 1 and window is None and resolve_impl(cfg.attention_impl) == "pallas"
-            and supports_head_dim(cfg.head_dim) and cfg.mla is None)
-
-
-def _decode_kernel(q, layer_cache, scale: float, impl: str):
-    """pallas_kernels' decode over a cache holding this step's key: q [B, 1, K, G, H] -> out [B, 1, K, G, H]."""
-    B, T, K, G, H = q.shape
-    rows = q.reshape(B, K, G, H).astype(layer_cache.k.dtype)  # [B, K, M = G, H], multiplied in the cache's dtype
-    if isinstance(layer_cache, kv.RaggedLayerCache):
-        out, _ = ragged_decode(rows, layer_cache.k, layer_cache.v, layer_cache.offsets, layer_cache.lengths,
-                               layer_cache.bias, scale=scale, impl=impl)
-    else:
-        out, _ = decode_attention(rows, layer_cache.k, layer_cache.v, layer_cache.lengths, layer_cache.keep,
-                                  layer_cache.bias, scale=scale, impl=impl)
-    return out.reshape(B, T, K, G, H)  # float32
 
 
 class Transformer(nn.Module):
@@ -265,8 +282,7 @@ def embed_tokens(embed, tokens, cfg: ModelConfig):
     return x
 
 
-def apply_block(params, cfg: ModelConfig, index: int, x, positions, layer_cache: kv.LayerCache, num_new,
-                observer=None):
+def apply_block(params, cfg: ModelConfig, index: int, x, positions, layer_cache: kv.LayerCache, num_new, observer=None):
     """Decoder layer `index` alone on the residual stream x [B, T, D] -> (x, layer_cache, observer output): for
     passes that go layer by layer (Attention Matching's on-policy compaction changes layer l before layer l + 1
     runs). forward is these blocks between embed_tokens and the LM head."""
@@ -274,8 +290,18 @@ def apply_block(params, cfg: ModelConfig, index: int, x, positions, layer_cache:
     return block.apply({"params": params[layer_name(index)]}, x, positions, layer_cache, num_new)
 
 
-def forward(params, tokens, positions, cache: kv.KVCache, cfg: ModelConfig, observer=None, *,
-            num_new=None, logits: str | None = "last", at=None):
+def forward(
+    params,
+    tokens,
+    positions,
+    cache: kv.KVCache,
+    cfg: ModelConfig,
+    observer=None,
+    *,
+    num_new=None,
+    logits: str | None = "last",
+    at=None,
+):
     """Runs tokens [B, T] at positions [B, T] on top of cache; returns (logits, cache, aux).
 
     num_new [B]: how many of the T tokens are real (right padding); defaults to T. logits: "last" gives

@@ -16,5 +16,15 @@ from kvzip_jax.quant.groups import (
     unpack_int4,
 )
 
-__all__ = ["BITS", "QuantFormat", "Quantized", "dequantize", "error_bound", "folded_logits", "folded_values",
-           "pack_int4", "quantize", "unpack_int4"]
+__all__ = [
+    "BITS",
+    "QuantFormat",
+    "Quantized",
+    "dequantize",
+    "error_bound",
+    "folded_logits",
+    "folded_values",
+    "pack_int4",
+    "quantize",
+    "unpack_int4",
+]

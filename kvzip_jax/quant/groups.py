@@ -93,8 +93,9 @@ class Quantized:
         """The QuantFormat these rows were quantized in."""
         groups = self.scale.shape[-2] if self.along == "tokens" else self.scale.shape[-1]
         width = self.codes.shape[-2] if self.along == "tokens" else self.width
-        return QuantFormat(bits=self.bits, group=width // groups, scale_dtype=np.dtype(self.scale.dtype).name,
-                           along=self.along)
+        return QuantFormat(
+            bits=self.bits, group=width // groups, scale_dtype=np.dtype(self.scale.dtype).name, along=self.along
+        )
 
     @property
     def nbytes(self) -> int:
@@ -128,8 +129,9 @@ def quantize(x: jax.Array, fmt: QuantFormat = QuantFormat()) -> Quantized:
         codes, scale, zero = (jnp.swapaxes(a, -1, -2) for a in (codes, scale, zero))
     else:
         codes, scale, zero = _along_last(x, fmt)
-    return Quantized(codes=pack_int4(codes) if fmt.bits == 4 else codes, scale=scale, zero=zero, bits=fmt.bits,
-                     along=fmt.along)
+    return Quantized(
+        codes=pack_int4(codes) if fmt.bits == 4 else codes, scale=scale, zero=zero, bits=fmt.bits, along=fmt.along
+    )
 
 
 def _along_last(x: jax.Array, fmt: QuantFormat):

@@ -64,7 +64,8 @@ def check(need: MemoryPlan, available: int | None = None, headroom: float = 0.9)
         raise MemoryPlanError(
             f"this run needs {need.describe()} of {available / GiB:.2f} GiB available; the largest part is the "
             f"{largest}. Shard it (a mesh with more tensor or seq devices), use bfloat16, a shorter context or a "
-            f"smaller batch or chunk")
+            f"smaller batch or chunk"
+        )
     return need
 
 

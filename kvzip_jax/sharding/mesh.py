@@ -39,8 +39,10 @@ def make_mesh(data: int = 1, seq: int = 1, tensor: int = 1, devices=None) -> Mes
         devices = jax.devices() if jax.device_count() == size else jax.local_devices()[:size]
     devices = list(devices)
     if len(devices) != size:
-        raise MeshError(f"a ({data}, {seq}, {tensor}) mesh needs {size} devices, {len(devices)} available "
-                        f"(simulate CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count={size})")
+        raise MeshError(
+            f"a ({data}, {seq}, {tensor}) mesh needs {size} devices, {len(devices)} available "
+            f"(simulate CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count={size})"
+        )
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
@@ -59,7 +61,8 @@ def check_mesh(cfg: ModelConfig, mesh: Mesh) -> None:
     if cfg.num_kv_heads % tensor:
         raise MeshError(
             f"tensor={tensor} does not divide the model's {cfg.num_kv_heads} KV heads: every tensor shard must hold "
-            f"whole KV heads; put the other devices on seq or data")
+            f"whole KV heads; put the other devices on seq or data"
+        )
 
 
 def batch_multiple(mesh: Mesh) -> int:

@@ -60,7 +60,9 @@ def param_shardings(shapes: dict, mesh: Mesh) -> dict:
     for jit in/out shardings and orbax restore targets. The caller checks the model against the mesh (check_mesh)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, shape: NamedSharding(mesh, param_spec(_path(path), shape, mesh)),
-        shapes, is_leaf=lambda x: isinstance(x, tuple))
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
@@ -72,6 +74,7 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 def _map_cache(cache: kv.KVCache, fn) -> kv.KVCache:
     """cache with every array x replaced by fn(x, its mesh axes per dimension); None leaves stay None."""
+
     def on(x, axes):
         if isinstance(x, quant.Quantized):  # codes, scales and zero points laid out as the rows they stand for
             return jax.tree.map(lambda a: fn(a, axes), x)
@@ -80,15 +83,27 @@ def _map_cache(cache: kv.KVCache, fn) -> kv.KVCache:
     def layer(lc):
         if isinstance(lc, kv.QuantizedLayerCache):
             heads = None if isinstance(lc.store, kv.RaggedLayerCache) else TENSOR  # key_center [B, K, W] as the store
-            return kv.QuantizedLayerCache(store=layer(lc.store), window=layer(lc.window),
-                                          key_center=on(lc.key_center, (DATA, heads, None)))
+            return kv.QuantizedLayerCache(
+                store=layer(lc.store), window=layer(lc.window), key_center=on(lc.key_center, (DATA, heads, None))
+            )
         if isinstance(lc, kv.RaggedLayerCache):  # per-head segments of data-dependent size: only rows are split
             row = lambda x: on(x, (DATA,) + (None,) * (x.ndim - 1 if x is not None else 0))
-            return kv.RaggedLayerCache(k=row(lc.k), v=row(lc.v), lengths=row(lc.lengths), offsets=row(lc.offsets),
-                                       bias=row(lc.bias), block=lc.block)
-        return kv.LayerCache(k=on(lc.k, (DATA, TENSOR, SEQ, None)), v=on(lc.v, (DATA, TENSOR, SEQ, None)),
-                             lengths=on(lc.lengths, (DATA, TENSOR)), keep=on(lc.keep, (DATA, TENSOR, SEQ)),
-                             bias=on(lc.bias, (DATA, TENSOR, SEQ)))
+            return kv.RaggedLayerCache(
+                k=row(lc.k),
+                v=row(lc.v),
+                lengths=row(lc.lengths),
+                offsets=row(lc.offsets),
+                bias=row(lc.bias),
+                block=lc.block,
+            )
+        return kv.LayerCache(
+            k=on(lc.k, (DATA, TENSOR, SEQ, None)),
+            v=on(lc.v, (DATA, TENSOR, SEQ, None)),
+            lengths=on(lc.lengths, (DATA, TENSOR)),
+            keep=on(lc.keep, (DATA, TENSOR, SEQ)),
+            bias=on(lc.bias, (DATA, TENSOR, SEQ)),
+        )
+
     return kv.KVCache(layers=tuple(layer(lc) for lc in cache.layers), next_position=fn(cache.next_position, (DATA,)))
 
 

@@ -35,8 +35,10 @@ def pack_segments(cache: kv.KVCache, room: int, mesh=None) -> kv.KVCache:
     S = 1 if mesh is None else axis_size(mesh, SEQ)
     C = cache.layers[0].capacity
     if any(layer.capacity != C for layer in cache.layers) or C % S:
-        raise ValueError(f"every layer's capacity must be one multiple of seq={S}, got "
-                         f"{sorted({layer.capacity for layer in cache.layers})}")
+        raise ValueError(
+            f"every layer's capacity must be one multiple of seq={S}, got "
+            f"{sorted({layer.capacity for layer in cache.layers})}"
+        )
     counts = np.asarray(jax.jit(_segment_counts, static_argnums=1)(cache, S))  # [L, B, K, S]
     seg = -(-(int(counts.max()) + room) // SEGMENT_BLOCK) * SEGMENT_BLOCK
     layers = tuple(_pack_layer(layer, seg, S, mesh) for layer in cache.layers)
@@ -81,10 +83,15 @@ def _pack_layer(layer: kv.LayerCache, seg: int, S: int, mesh) -> kv.LayerCache:
         return (k, v, keep, count[..., None]) + ((b,) if bias else ())
 
     bias = () if layer.bias is None else (layer.bias,)
-    out = jax.jit(jax.shard_map(
-        local, mesh=mesh, in_specs=(spec, spec, slot_spec) + (slot_spec,) * len(bias),
-        out_specs=(spec, spec, slot_spec, slot_spec) + (slot_spec,) * len(bias), check_vma=False))(
-        layer.k, layer.v, visible, *bias)
+    out = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(spec, spec, slot_spec) + (slot_spec,) * len(bias),
+            out_specs=(spec, spec, slot_spec, slot_spec) + (slot_spec,) * len(bias),
+            check_vma=False,
+        )
+    )(layer.k, layer.v, visible, *bias)
     k, v, keep, counts = out[:4]  # counts [B, K, S]: pairs of each segment
     lengths = (S - 1) * seg + counts[..., -1]  # new tokens go after the last segment's pairs
     return kv.LayerCache(k=k, v=v, lengths=lengths, keep=keep, bias=out[4] if bias else None)

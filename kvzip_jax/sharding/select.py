@@ -67,5 +67,6 @@ def top_counts_sharded(scores: jax.Array, counts: jax.Array, axes: tuple[int, ..
         j = jax.lax.fori_loop(0, 31, index_bit, jnp.zeros(c.shape, jnp.int32))
         return (keys > t) | (ties & (index < j))
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(*spec), count_spec),
-                         out_specs=PartitionSpec(*spec), check_vma=False)(scores, counts.astype(jnp.int32))
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(PartitionSpec(*spec), count_spec), out_specs=PartitionSpec(*spec), check_vma=False
+    )(scores, counts.astype(jnp.int32))

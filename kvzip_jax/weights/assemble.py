@@ -63,8 +63,13 @@ def flat_param_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]
 
 
 def _part_width(cfg: ModelConfig, part: str) -> int:
-    widths = {"q": cfg.num_heads * cfg.head_dim, "k": cfg.num_kv_heads * cfg.head_dim,
-              "v": cfg.num_kv_heads * cfg.head_dim, "gate": cfg.intermediate_size, "up": cfg.intermediate_size}
+    widths = {
+        "q": cfg.num_heads * cfg.head_dim,
+        "k": cfg.num_kv_heads * cfg.head_dim,
+        "v": cfg.num_kv_heads * cfg.head_dim,
+        "gate": cfg.intermediate_size,
+        "up": cfg.intermediate_size,
+    }
     return widths[part]
 
 
@@ -76,8 +81,9 @@ def source_shape(cfg: ModelConfig, slot: Slot, shapes: dict) -> tuple[int, ...]:
     return shape[::-1] if len(shape) == 2 and slot.path[-1] not in NOT_TRANSPOSED else shape
 
 
-def assemble_params(cfg: ModelConfig, tensors: Iterable[SourceTensor],
-                    place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None) -> dict:
+def assemble_params(
+    cfg: ModelConfig, tensors: Iterable[SourceTensor], place: Callable[[tuple[str, ...], np.ndarray], Any] | None = None
+) -> dict:
     """Nested parameter tree of `param_shapes(cfg)` from source tensors, in their storage dtypes.
 
     Every slot and header shape is checked, and every missing parameter or part listed, before any tensor is read
@@ -89,22 +95,30 @@ def assemble_params(cfg: ModelConfig, tensors: Iterable[SourceTensor],
     filled: dict[Slot, SourceTensor] = {}
     for tensor in tensors:
         slot = tensor.slot
-        if slot.path not in shapes or (slot.part is not None) != (slot.path[-1] in FUSED_PARTS) or (
-                slot.part is not None and slot.part not in FUSED_PARTS[slot.path[-1]]):
+        if (
+            slot.path not in shapes
+            or (slot.part is not None) != (slot.path[-1] in FUSED_PARTS)
+            or (slot.part is not None and slot.part not in FUSED_PARTS[slot.path[-1]])
+        ):
             raise WeightShapeError(f"tensor {tensor.name!r} maps to {slot}, which this model config does not have")
         if slot in filled:
             raise WeightShapeError(f"tensors {filled[slot].name!r} and {tensor.name!r} both fill {slot}")
         expected = source_shape(cfg, slot, shapes)
         if tuple(tensor.shape) != expected:
-            raise WeightShapeError(f"tensor {tensor.name!r} has shape {tuple(tensor.shape)}, expected {expected} "
-                                   f"for {slot}")
+            raise WeightShapeError(
+                f"tensor {tensor.name!r} has shape {tuple(tensor.shape)}, expected {expected} for {slot}"
+            )
         filled[slot] = tensor
-    slots = {path: [Slot(path, part) for part in FUSED_PARTS[path[-1]]] if path[-1] in FUSED_PARTS else [Slot(path)]
-             for path in shapes}
+    slots = {
+        path: [Slot(path, part) for part in FUSED_PARTS[path[-1]]] if path[-1] in FUSED_PARTS else [Slot(path)]
+        for path in shapes
+    }
     missing = [str(s) for path in shapes for s in slots[path] if s not in filled]
     if missing:
-        raise WeightShapeError(f"checkpoint lacks {len(missing)} parameter(s): {', '.join(missing[:12])}"
-                               + (" ..." if len(missing) > 12 else ""))
+        raise WeightShapeError(
+            f"checkpoint lacks {len(missing)} parameter(s): {', '.join(missing[:12])}"
+            + (" ..." if len(missing) > 12 else "")
+        )
     place = place or (lambda path, value: value)
     tree: dict = {}
     for path in shapes:

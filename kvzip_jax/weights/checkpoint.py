@@ -68,11 +68,18 @@ def _restore_target(cfg: ModelConfig, stored, dtype, mesh) -> dict:
     with explicit shardings: sharding.param_shardings (the mesh already checked), or this host's first device without
     a mesh. Built leaf by leaf, not by eval_shape (which can drop shardings, flax#5110), so orbax reads each device's
     slice straight from disk into its layout, casting while reading."""
-    shardings = sharding.param_shardings(param_shapes(cfg), mesh) if mesh is not None else jax.tree.map(
-        lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), param_shapes(cfg),
-        is_leaf=lambda x: isinstance(x, tuple))
-    stored_dtypes = {jax.tree_util.keystr(path): leaf.dtype
-                     for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    shardings = (
+        sharding.param_shardings(param_shapes(cfg), mesh)
+        if mesh is not None
+        else jax.tree.map(
+            lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]),
+            param_shapes(cfg),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+    )
+    stored_dtypes = {
+        jax.tree_util.keystr(path): leaf.dtype for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]
+    }
 
     def target(path, s, where):
         chosen = dtype or stored_dtypes.get(jax.tree_util.keystr(path), s.dtype)

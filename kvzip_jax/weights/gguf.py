@@ -29,17 +29,26 @@ from kvzip_jax.weights.assemble import Slot, SourceTensor, assemble_params, plac
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 ROPE_FREQS = "rope_freqs.weight"  # llama 3 frequency divisors, folded into ModelConfig.rope
 
-_GLOBAL_TENSORS = {"token_embd.weight": Slot(("embed",)), "output_norm.weight": Slot(("final_norm",)),
-                   "output.weight": Slot(("lm_head",))}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": Slot(("embed",)),
+    "output_norm.weight": Slot(("final_norm",)),
+    "output.weight": Slot(("lm_head",)),
+}
 _BLOCK_TENSORS = {  # blk.{i}.<name> -> (param name, fused part)
     "attn_norm.weight": ("attn_norm", None),
-    "attn_q.weight": ("qkv", "q"), "attn_k.weight": ("qkv", "k"), "attn_v.weight": ("qkv", "v"),
-    "attn_q.bias": ("qkv_bias", "q"), "attn_k.bias": ("qkv_bias", "k"), "attn_v.bias": ("qkv_bias", "v"),
-    "attn_q_norm.weight": ("q_norm", None), "attn_k_norm.weight": ("k_norm", None),
+    "attn_q.weight": ("qkv", "q"),
+    "attn_k.weight": ("qkv", "k"),
+    "attn_v.weight": ("qkv", "v"),
+    "attn_q.bias": ("qkv_bias", "q"),
+    "attn_k.bias": ("qkv_bias", "k"),
+    "attn_v.bias": ("qkv_bias", "v"),
+    "attn_q_norm.weight": ("q_norm", None),
+    "attn_k_norm.weight": ("k_norm", None),
     "attn_output.weight": ("o", None),
     "post_attention_norm.weight": ("post_attn_norm", None),
     "ffn_norm.weight": ("mlp_norm", None),
-    "ffn_gate.weight": ("gate_up", "gate"), "ffn_up.weight": ("gate_up", "up"),
+    "ffn_gate.weight": ("gate_up", "gate"),
+    "ffn_up.weight": ("gate_up", "up"),
     "ffn_down.weight": ("down", None),
     "post_ffw_norm.weight": ("post_mlp_norm", None),
 }
@@ -101,7 +110,8 @@ def _llama3_rope(reader: GGUFReader, arch: str, theta: float, head_dim: int) -> 
     if not np.allclose(divisors, llama3_divisors(spec, head_dim), rtol=1e-5):
         raise UnsupportedArchitectureError(
             f"{ROPE_FREQS} does not match llama3 RoPE scaling (factor {spec.factor}, low/high frequency factors "
-            f"{spec.low_freq_factor}/{spec.high_freq_factor}, original context {spec.original_max_position})")
+            f"{spec.low_freq_factor}/{spec.high_freq_factor}, original context {spec.original_max_position})"
+        )
     return spec
 
 
@@ -112,7 +122,8 @@ def llama3_divisors(spec: RopeSpec, head_dim: int) -> np.ndarray:
     low_wavelen = spec.original_max_position / spec.low_freq_factor
     high_wavelen = spec.original_max_position / spec.high_freq_factor
     smooth = (spec.original_max_position / wavelen - spec.low_freq_factor) / (
-        spec.high_freq_factor - spec.low_freq_factor)
+        spec.high_freq_factor - spec.low_freq_factor
+    )
     mid = 1.0 / ((1 - smooth) / spec.factor + smooth)
     return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, spec.factor, mid))
 
@@ -151,7 +162,8 @@ def config_from_gguf(source: str | Path | GGUFReader) -> ModelConfig:
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitectureError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     names = {t.name for t in reader.tensors}
     hidden = _meta(reader, f"{arch}.embedding_length")
     heads = _uniform(_meta(reader, f"{arch}.attention.head_count"), "head_count")
@@ -208,8 +220,9 @@ def _dequantized(tensor) -> np.ndarray:
     try:
         return dequantize(tensor.data, tensor.tensor_type)
     except NotImplementedError:
-        raise ModelFileError(f"tensor {tensor.name!r}: the gguf package cannot dequantize "
-                             f"{tensor.tensor_type.name}") from None
+        raise ModelFileError(
+            f"tensor {tensor.name!r}: the gguf package cannot dequantize {tensor.tensor_type.name}"
+        ) from None
 
 
 def _source_tensors(reader: GGUFReader, cfg: ModelConfig) -> list[SourceTensor]:
@@ -234,8 +247,9 @@ def _source_tensors(reader: GGUFReader, cfg: ModelConfig) -> list[SourceTensor]:
         shape = tuple(int(d) for d in reversed(tensor.shape))
         tensors.append(SourceTensor(tensor.name, slot, shape, lambda t=tensor: _dequantized(t), transform))
     if unexpected:
-        raise WeightShapeError(f"unexpected GGUF tensor(s): {', '.join(unexpected[:12])}"
-                               + (" ..." if len(unexpected) > 12 else ""))
+        raise WeightShapeError(
+            f"unexpected GGUF tensor(s): {', '.join(unexpected[:12])}" + (" ..." if len(unexpected) > 12 else "")
+        )
     return tensors
 
 

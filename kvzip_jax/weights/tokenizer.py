@@ -30,8 +30,9 @@ def tokenizer_from_gguf(path: str | Path):
     from transformers import AutoTokenizer
 
     if importlib.util.find_spec("torch") is None:
-        raise ModelFileError("reading a GGUF's tokenizer needs torch (transformers' GGUF reader): "
-                             "pip install 'kvzip-jax[convert]'")
+        raise ModelFileError(
+            "reading a GGUF's tokenizer needs torch (transformers' GGUF reader): pip install 'kvzip-jax[convert]'"
+        )
 
     path = Path(path)
     if not path.is_file():

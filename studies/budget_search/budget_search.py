@@ -57,9 +57,13 @@ def hybrid(base: kv.KVCache, other: kv.KVCache | None, layer: int, head: int, pr
         new = dataclasses.replace(b, keep=b.keep.at[:, head].set(b.keep[:, head] & ~in_context))
     else:
         o = other.layers[layer]
-        new = dataclasses.replace(b, v=b.v.at[:, head].set(o.v[:, head]), keep=b.keep.at[:, head].set(o.keep[:, head]),
-                                  bias=b.bias.at[:, head].set(o.bias[:, head]))
-    return dataclasses.replace(base, layers=base.layers[:layer] + (new,) + base.layers[layer + 1:])
+        new = dataclasses.replace(
+            b,
+            v=b.v.at[:, head].set(o.v[:, head]),
+            keep=b.keep.at[:, head].set(o.keep[:, head]),
+            bias=b.bias.at[:, head].set(o.bias[:, head]),
+        )
+    return dataclasses.replace(base, layers=base.layers[:layer] + (new,) + base.layers[layer + 1 :])
 
 
 def allocate(cost: np.ndarray, grid_units: list[int], total: int) -> np.ndarray:
@@ -75,7 +79,7 @@ def allocate(cost: np.ndarray, grid_units: list[int], total: int) -> np.ndarray:
             if units > total:
                 continue
             shifted = np.full(total + 1, np.inf)
-            shifted[units:] = best[:total + 1 - units] + cost[h, g]
+            shifted[units:] = best[: total + 1 - units] + cost[h, g]
             better = shifted < nxt
             nxt[better], choice[h, better] = shifted[better], g
         best = nxt
@@ -113,22 +117,36 @@ def measure(args, grid: list[float]):
         _, cache = gen.prefill(runner.params, cfg, [c.ids() for c in batch.contexts], empty)
         full = runner._full_answers(batch, cache)
         shared = SharedInputs(runner, batch, cache)
-        compacted = {r: _compacted(shared._field("queries"), cfg, cache, shared._field("reread"),
-                                   matching.MatchingConfig(ratio=r, budget="uniform"))[0]
-                     for r in grid if r > 0}
+        compacted = {
+            r: _compacted(
+                shared._field("queries"),
+                cfg,
+                cache,
+                shared._field("reread"),
+                matching.MatchingConfig(ratio=r, budget="uniform"),
+            )[0]
+            for r in grid
+            if r > 0
+        }
         base = compacted[args.ratio]
 
         def kl_of(c):
             got = runner._compressed_answers(batch, c, [0], full)[0]
-            return float(np.mean(got["kl"][:len(batch.examples)]))
+            return float(np.mean(got["kl"][: len(batch.examples)]))
 
         base_kl = kl_of(base)
         for j, (i, h) in enumerate(heads):
             for g, r in enumerate(grid):
-                cost[t, j, g] = base_kl if r == args.ratio else kl_of(
-                    hybrid(base, compacted.get(r), i, h, jnp.asarray(prefix_len), jnp.asarray(context_len)))
-            print(f"{batch.examples[0].task} L{i}H{h}: " + " ".join(f"{r}:{c:.3f}" for r, c in zip(grid, cost[t, j])),
-                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+                cost[t, j, g] = (
+                    base_kl
+                    if r == args.ratio
+                    else kl_of(hybrid(base, compacted.get(r), i, h, jnp.asarray(prefix_len), jnp.asarray(context_len)))
+                )
+            print(
+                f"{batch.examples[0].task} L{i}H{h}: " + " ".join(f"{r}:{c:.3f}" for r, c in zip(grid, cost[t, j])),
+                f"({time.perf_counter() - start:.0f} s)",
+                flush=True,
+            )
         print(f"{batch.examples[0].task}: base KL {base_kl:.3f}", flush=True)
     return model.name, list(layers), cfg.num_kv_heads, cost
 
@@ -141,40 +159,59 @@ def main() -> int:
     parser.add_argument("--contexts", type=int, default=4, help="contexts per task")
     parser.add_argument("--context-tokens", type=int, default=640)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--curves", metavar="JSON", help="allocate again from the curves of a profile written "
-                        "before (its model, ratio and grid), without measuring")
+    parser.add_argument(
+        "--curves",
+        metavar="JSON",
+        help="allocate again from the curves of a profile written "
+        "before (its model, ratio and grid), without measuring",
+    )
     parser.add_argument("--out", default=str(PROFILE_DIR))
     args = parser.parse_args()
     if args.curves:
         saved = json.loads(Path(args.curves).read_text())
         name, layers, kv_heads, ratio, grid = (saved[k] for k in ("model", "layers", "kv_heads", "base_ratio", "grid"))
         delta = np.asarray(saved["delta_kl"], np.float64).reshape(len(layers) * kv_heads, len(grid))
-        settings = {k: saved[k] for k in ("base_ratio", "grid", "tasks", "seed", "contexts_per_task", "context_tokens",
-                                          "command")}
+        settings = {
+            k: saved[k]
+            for k in ("base_ratio", "grid", "tasks", "seed", "contexts_per_task", "context_tokens", "command")
+        }
     else:
         grid = sorted({args.ratio, *(float(r) for r in args.grid.split(","))})
         ratio = args.ratio
         name, layers, kv_heads, cost = measure(args, grid)
         delta = (cost - cost[:, :, [grid.index(ratio)]]).mean(0)  # [heads, grid], averaged over tasks
-        settings = {"base_ratio": ratio, "grid": grid, "tasks": list(TASKS), "seed": args.seed,
-                    "contexts_per_task": args.contexts, "context_tokens": args.context_tokens,
-                    "command": "python studies/budget_search/budget_search.py " + " ".join(
-                        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "curves"))}
+        settings = {
+            "base_ratio": ratio,
+            "grid": grid,
+            "tasks": list(TASKS),
+            "seed": args.seed,
+            "contexts_per_task": args.contexts,
+            "context_tokens": args.context_tokens,
+            "command": "python studies/budget_search/budget_search.py "
+            + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out", "curves")),
+        }
     grid_units = [round(r / PROFILE_UNIT) for r in grid]
     picked = allocate(delta, grid_units, round(ratio * len(delta) / PROFILE_UNIT))
     shape = (len(layers), kv_heads)
-    payload = {"model": name, **settings, "layers": layers, "kv_heads": kv_heads,
-               "profile": (picked / picked.sum()).reshape(shape).round(6).tolist(),
-               "kept_units": picked.reshape(shape).tolist(),
-               "delta_kl": delta.reshape(shape + (len(grid),)).round(5).tolist()}
+    payload = {
+        "model": name,
+        **settings,
+        "layers": layers,
+        "kv_heads": kv_heads,
+        "profile": (picked / picked.sum()).reshape(shape).round(6).tolist(),
+        "kept_units": picked.reshape(shape).tolist(),
+        "delta_kl": delta.reshape(shape + (len(grid),)).round(5).tolist(),
+    }
     out = Path(args.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1) + "\n")
     tmp.replace(out)
     predicted = sum(delta[j, grid_units.index(u)] for j, u in enumerate(picked))
-    print(f"kept per head (units of {PROFILE_UNIT} of its keys): {picked.tolist()}; predicted KL change "
-          f"{predicted:+.3f} against uniform {ratio}")
+    print(
+        f"kept per head (units of {PROFILE_UNIT} of its keys): {picked.tolist()}; predicted KL change "
+        f"{predicted:+.3f} against uniform {ratio}"
+    )
     print(f"wrote {out}")
     return 0
 

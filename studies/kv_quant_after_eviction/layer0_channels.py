@@ -16,8 +16,9 @@ from kvzip_jax.weights import registry
 def main(name: str = "qwen2.5-coder-0.5b-instruct", layers=(0, 1, 3, 23)) -> None:
     model = registry.load(name)
     example = tasks.generate("kv_retrieval", 1, 0, 640)[0]
-    context, _ = prompts.split_for_reuse(model.tokenizer, example.context, list(example.questions),
-                                        instruction=prompts.KVZIP_INSTRUCTION)
+    context, _ = prompts.split_for_reuse(
+        model.tokenizer, example.context, list(example.questions), instruction=prompts.KVZIP_INSTRUCTION
+    )
     _, full = gen.prefill(model.params, model.cfg, [context.ids()])
     n = len(context.ids())
     for i in layers:
@@ -28,10 +29,12 @@ def main(name: str = "qwen2.5-coder-0.5b-instruct", layers=(0, 1, 3, 23)) -> Non
             largest, sd = np.abs(centred[h]).max(0), centred[h].std(0)  # [H] per channel over tokens
             token_range = centred[h].max(1) - centred[h].min(1)  # [n] per token over channels
             top = np.argsort(-largest)[:6]
-            print(f"layer {i} head {h}: per-token range median {np.median(token_range):.2f}; channels by largest "
-                  "|centred k|: " + ", ".join(f"{j}:{largest[j]:.1f}(sd {sd[j]:.1f}, centre {mid[h, 0, j]:.1f})"
-                                             for j in top)
-                  + f"; median channel: largest {np.median(largest):.2f}, sd {np.median(sd):.2f}")
+            print(
+                f"layer {i} head {h}: per-token range median {np.median(token_range):.2f}; channels by largest "
+                "|centred k|: "
+                + ", ".join(f"{j}:{largest[j]:.1f}(sd {sd[j]:.1f}, centre {mid[h, 0, j]:.1f})" for j in top)
+                + f"; median channel: largest {np.median(largest):.2f}, sd {np.median(sd):.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Why does KVzip 0.3 + int4 lose exact short numbers on Qwen2.5-Coder-0.5B when each part alone keeps them?
 
-For each task (key_numbers: eight "jpiexg: 564" lines in prose; kv_retrieval: a JSON object of UUIDs), 6 contexts of about
-640 tokens and 4 questions each are prefilled in one batch in float32 and scored by KVzip; the cache is masked at
+For each task (key_numbers: eight "jpiexg: 564" lines in prose; kv_retrieval: a JSON object of UUIDs), 6 contexts of
+about 640 tokens and 4 questions each are prefilled in one batch in float32 and scored by KVzip; the cache is masked at
 ratio 0.3 (or kept whole). Then parts of it are fake-quantized (quantize, dequantize: what the library's quantized
 cache computes, checked against it on the first variant) and every question is answered greedily from it. Printed
 per variant: questions right per task, and the mean log-probability of the reference answer's tokens (teacher
@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax import cache as kv
-from kvzip_jax import kvzip, prompts
 from kvzip_jax import generate as gen
+from kvzip_jax import kvzip, prompts
 from kvzip_jax.eval import answering, metrics, tasks
 from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights import registry
@@ -83,8 +83,9 @@ def fake_kivi(k: jax.Array, visible: jax.Array, bits: int = 4, group: int = 32) 
     return jnp.where(visible[..., None], jnp.take_along_axis(rows, back[..., None], axis=2), k)
 
 
-def quantize_cache(cache: kv.KVCache, recipe: Quant, spared: list[jax.Array] | None,
-                   context_centres: list[jax.Array]) -> kv.KVCache:
+def quantize_cache(
+    cache: kv.KVCache, recipe: Quant, spared: list[jax.Array] | None, context_centres: list[jax.Array]
+) -> kv.KVCache:
     """The masked cache with its visible pairs fake-quantized by recipe; spared[l] [B, K, C] marks pairs kept at
     full precision (or spare_bits)."""
     layers = []
@@ -99,7 +100,7 @@ def quantize_cache(cache: kv.KVCache, recipe: Quant, spared: list[jax.Array] | N
         elif recipe.center == "context":
             centre = context_centres[i]
         elif recipe.center == "mean":
-            centre = (jnp.where(visible[..., None], k, 0).sum(2) / jnp.maximum(visible.sum(-1), 1)[..., None])
+            centre = jnp.where(visible[..., None], k, 0).sum(2) / jnp.maximum(visible.sum(-1), 1)[..., None]
         else:
             centre = jnp.zeros(k.shape[:2] + k.shape[-1:])
         if recipe.center is not None and recipe.scale != "float32":
@@ -112,8 +113,9 @@ def quantize_cache(cache: kv.KVCache, recipe: Quant, spared: list[jax.Array] | N
             if recipe.channel_scale:
                 div = jnp.where(visible[..., None], jnp.abs(k - centre), 0).max(axis=2, keepdims=True)
                 div = jnp.maximum(div, 1e-6).astype(recipe.scale).astype(jnp.float32)
-            new_k = (fake_kivi(k - centre, visible) if recipe.kivi else
-                     fake((k - centre) / div, key_fmt, recipe.scale) * div) + centre
+            new_k = (
+                fake_kivi(k - centre, visible) if recipe.kivi else fake((k - centre) / div, key_fmt, recipe.scale) * div
+            ) + centre
         if recipe.values is not None:
             new_v = fake(v, recipe.values, recipe.scale)
         if spared is not None:
@@ -158,14 +160,18 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
     model = registry.load(name)
     tok, params, cfg = model.tokenizer, model.params, model.cfg
     stops = prompts.stop_token_ids(tok)
-    print(f"{name}, float32; int4 = per token and KV head, groups of 64 (the head dim), bf16 scale and zero, keys "
-          f"centred per channel on their kept pairs' midpoint (the library's int4 before this study); KVzip ratio "
-          f"{RATIO}")
+    print(
+        f"{name}, float32; int4 = per token and KV head, groups of 64 (the head dim), bf16 scale and zero, keys "
+        f"centred per channel on their kept pairs' midpoint (the library's int4 before this study); KVzip ratio "
+        f"{RATIO}"
+    )
     data = {}
     for task in TASKS:
         examples = tasks.generate(task, CONTEXTS, 0, TOKENS)
-        split = [prompts.split_for_reuse(tok, ex.context, list(ex.questions), instruction=prompts.KVZIP_INSTRUCTION)
-                 for ex in examples]
+        split = [
+            prompts.split_for_reuse(tok, ex.context, list(ex.questions), instruction=prompts.KVZIP_INSTRUCTION)
+            for ex in examples
+        ]
         contexts = [c for c, _ in split]
         _, full = gen.prefill(params, cfg, [c.ids() for c in contexts])
         prefix_len = jnp.array([c.context_start for c in contexts], jnp.int32)
@@ -174,25 +180,46 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
         masked, scores = kvzip.score_and_evict(params, cfg, full, reread, RATIO)
         centres = [kv._key_center(layer) for layer in full.layers]
         refs = [[np.asarray(prompts.encode_text(tok, a[0]), np.int32) for a in ex.answers] for ex in examples]
-        data[task] = dict(examples=examples, suffixes=[s for _, s in split], full=full, masked=masked, scores=scores,
-                          prefix_len=prefix_len, context_len=context_len, centres=centres, refs=refs)
-        print(f"{task}: {CONTEXTS} contexts of {int(context_len.min())}-{int(context_len.max())} context tokens, "
-              f"{sum(len(ex.questions) for ex in examples)} questions")
+        data[task] = dict(
+            examples=examples,
+            suffixes=[s for _, s in split],
+            full=full,
+            masked=masked,
+            scores=scores,
+            prefix_len=prefix_len,
+            context_len=context_len,
+            centres=centres,
+            refs=refs,
+        )
+        print(
+            f"{task}: {CONTEXTS} contexts of {int(context_len.min())}-{int(context_len.max())} context tokens, "
+            f"{sum(len(ex.questions) for ex in examples)} questions"
+        )
 
     def answers(task: str, cache: kv.KVCache, greedy: bool = True):
         d = data[task]
         work, right, logp, preds = answering.copy_cache(cache), [], [], []
         for i in range(len(d["examples"][0].questions)):
             forced = [np.append(r[i], stops[0]) for r in d["refs"]]
-            got, work = answering.answer_forced(params, cfg, work, [s[i] for s in d["suffixes"]], forced,
-                                                d["examples"][0].max_new_tokens if greedy else 0, stops)
-            lp = np.asarray(jnp.take_along_axis(metrics.log_probs(got.logits), jnp.asarray(_pad(forced))[..., None],
-                                                axis=-1)[..., 0])  # [B, A] log p of each forced token
+            got, work = answering.answer_forced(
+                params,
+                cfg,
+                work,
+                [s[i] for s in d["suffixes"]],
+                forced,
+                d["examples"][0].max_new_tokens if greedy else 0,
+                stops,
+            )
+            lp = np.asarray(
+                jnp.take_along_axis(metrics.log_probs(got.logits), jnp.asarray(_pad(forced))[..., None], axis=-1)[
+                    ..., 0
+                ]
+            )  # [B, A] log p of each forced token
             for b, ex in enumerate(d["examples"]):
                 text = tok.decode([t for t in got.tokens[b] if t not in stops]).strip()
                 preds.append(text)
                 right.append(metrics.score(ex.metric, text, ex.answers[i]))
-                logp.append(lp[b, :len(d["refs"][b][i])].sum())
+                logp.append(lp[b, : len(d["refs"][b][i])].sum())
         return np.array(right), np.array(logp), preds
 
     def run(label: str, recipe: Quant | None, base: str = "masked", greedy: bool = True) -> dict:
@@ -201,12 +228,17 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
             d = data[task]
             cache = d[base]
             if recipe is not None:
-                spared = None if recipe.spare is None else spared_pairs(cache, d["scores"], d["prefix_len"],
-                                                                         d["context_len"], recipe.spare)
+                spared = (
+                    None
+                    if recipe.spare is None
+                    else spared_pairs(cache, d["scores"], d["prefix_len"], d["context_len"], recipe.spare)
+                )
                 cache = quantize_cache(cache, recipe, spared, d["centres"])
             row[task] = answers(task, cache, greedy)
-        cells = "  ".join(f"{t} {f'{int(r.sum()):2d}/{len(r)}' if greedy else '  -  '} (log p {lp.mean():6.2f})"
-                          for t, (r, lp, _) in row.items())
+        cells = "  ".join(
+            f"{t} {f'{int(r.sum()):2d}/{len(r)}' if greedy else '  -  '} (log p {lp.mean():6.2f})"
+            for t, (r, lp, _) in row.items()
+        )
         print(f"{label:<58s} {cells}   [{time.perf_counter() - start:.0f} s]", flush=True)
         return row
 
@@ -218,8 +250,10 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
         d = data[task]
         lib = answers(task, kv.quantized(d["masked"], INT4))
         same = sum(a == b for a, b in zip(lib[2], worst[task][2]))
-        print(f"  check, {task}: the library's kv.quantized answers {int(lib[0].sum())}/{len(lib[0])}, "
-              f"{same}/{len(lib[2])} answers the same as the fake-quantized cache's")
+        print(
+            f"  check, {task}: the library's kv.quantized answers {int(lib[0].sum())}/{len(lib[0])}, "
+            f"{same}/{len(lib[2])} answers the same as the fake-quantized cache's"
+        )
     for task in TASKS:
         for (r0, _, p0), (r1, _, p1) in [(base[task], worst[task])]:
             lost = [f"{p1[j]!r} for {p0[j]!r}" for j in range(len(p0)) if r0[j] and not r1[j]]
@@ -261,11 +295,15 @@ def pairs(run) -> None:
 def groups(run) -> None:
     print("\n# groups and layouts")
     for g in (32, 16):
-        run(f"per-token groups of {g}", Quant(keys=quant.QuantFormat(bits=4, group=g),
-                                             values=quant.QuantFormat(bits=4, group=g)))
+        run(
+            f"per-token groups of {g}",
+            Quant(keys=quant.QuantFormat(bits=4, group=g), values=quant.QuantFormat(bits=4, group=g)),
+        )
         run(f"per-token groups of {g}, keys only (values groups of 64)", Quant(keys=quant.QuantFormat(bits=4, group=g)))
-        run(f"per-token groups of {g}, values only (keys groups of 64)",
-            Quant(values=quant.QuantFormat(bits=4, group=g)))
+        run(
+            f"per-token groups of {g}, values only (keys groups of 64)",
+            Quant(values=quant.QuantFormat(bits=4, group=g)),
+        )
     run("KIVI keys: per channel, groups of 32 kept pairs", Quant(kivi=True))
     run("KIVI keys, not centred", Quant(kivi=True, center=None))
 
@@ -289,8 +327,10 @@ def fixes(run) -> None:
     run("layer 0's keys at 16 bits, the rest int4", Quant(layers=tuple(range(1, 24))))
     run("keys scaled per channel, groups of 64", Quant(channel_scale=True))
     run("keys scaled per channel, groups of 32", Quant(channel_scale=True, keys=quant.QuantFormat(bits=4, group=32)))
-    run("keys in groups of 16 and int8 in layer 0", Quant(keys=quant.QuantFormat(bits=4, group=16),
-                                                         int8_key_layers=(0,)))
+    run(
+        "keys in groups of 16 and int8 in layer 0",
+        Quant(keys=quant.QuantFormat(bits=4, group=16), int8_key_layers=(0,)),
+    )
 
 
 def layers(run, num_layers: int) -> None:
@@ -303,7 +343,7 @@ def layers(run, num_layers: int) -> None:
 def _pad(rows: list[np.ndarray]) -> np.ndarray:
     out = np.zeros((len(rows), max(map(len, rows))), np.int32)
     for b, r in enumerate(rows):
-        out[b, :len(r)] = r
+        out[b, : len(r)] = r
     return out
 
 

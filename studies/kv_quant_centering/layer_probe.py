@@ -50,8 +50,9 @@ def fake(x):
 def main(name: str = "qwen2.5-coder-1.5b-instruct") -> None:
     model = registry.load(name)
     example = json.loads(open("bench/results/quality.jsonl").readline())
-    context, suffixes = prompts.split_for_reuse(model.tokenizer, example["context"], example["queries"][:3],
-                                                instruction=prompts.KVZIP_INSTRUCTION)
+    context, suffixes = prompts.split_for_reuse(
+        model.tokenizer, example["context"], example["queries"][:3], instruction=prompts.KVZIP_INSTRUCTION
+    )
     _, full = gen.prefill(model.params, model.cfg, [context.ids()])
     n = len(context.ids())
     V = model.cfg.vocab_size
@@ -66,16 +67,19 @@ def main(name: str = "qwen2.5-coder-1.5b-instruct") -> None:
     reference = next_token(full)
 
     def kl(keys=lambda i, k: k, values=lambda i, v: v) -> float:
-        layers = tuple(dataclasses.replace(layer, k=keys(i, layer.k), v=values(i, layer.v))
-                       for i, layer in enumerate(full.layers))
+        layers = tuple(
+            dataclasses.replace(layer, k=keys(i, layer.k), v=values(i, layer.v)) for i, layer in enumerate(full.layers)
+        )
         got = next_token(kv.KVCache(layers, full.next_position))
         return float(np.mean([jnp.sum(jnp.exp(r) * (r - g)) for r, g in zip(reference, got)]))
 
     print(f"{name}: context of {n} tokens, float32, int4 in groups of 64 (bf16 scales)")
     for i, layer in enumerate(full.layers):
         k = np.asarray(layer.k[:, :, :n], np.float32)
-        print(f"layer {i:2d}: largest |k| {np.abs(k).max():6.1f} (median over channels of the largest "
-              f"{np.median(np.abs(k).max(axis=2)):.1f}), largest |v| {np.abs(np.asarray(layer.v[:, :, :n])).max():.2f}")
+        print(
+            f"layer {i:2d}: largest |k| {np.abs(k).max():6.1f} (median over channels of the largest "
+            f"{np.median(np.abs(k).max(axis=2)):.1f}), largest |v| {np.abs(np.asarray(layer.v[:, :, :n])).max():.2f}"
+        )
     both = lambda **kw: kl(lambda i, k: fake_keys(k, n, **kw), lambda i, v: fake(v))
     print(f"all layers, keys and values: KL {both():.4f}")
     print(f"keys only: KL {kl(keys=lambda i, k: fake(k)):.4f}; values only: KL {kl(values=lambda i, v: fake(v)):.4f}")
@@ -83,16 +87,22 @@ def main(name: str = "qwen2.5-coder-1.5b-instruct") -> None:
         only_k = kl(keys=lambda j, k: fake(k) if j == i else k)
         only_v = kl(values=lambda j, v: fake(v) if j == i else v)
         print(f"layer {i:2d} alone: keys KL {only_k:.4f}, values KL {only_v:.4f}")
-    for label, kw in (("keys centred", dict(center=True)), ("keys centred, smoothed alpha 0.5", dict(center=True,
-                      smooth=0.5)), ("keys centred, smoothed alpha 1", dict(center=True, smooth=1.0)),
-                      ("keys smoothed alpha 0.5", dict(smooth=0.5)), ("keys smoothed alpha 1", dict(smooth=1.0)),
-                      ("keys per channel, 32-token groups (KIVI)", dict(along="tokens"))):
+    for label, kw in (
+        ("keys centred", dict(center=True)),
+        ("keys centred, smoothed alpha 0.5", dict(center=True, smooth=0.5)),
+        ("keys centred, smoothed alpha 1", dict(center=True, smooth=1.0)),
+        ("keys smoothed alpha 0.5", dict(smooth=0.5)),
+        ("keys smoothed alpha 1", dict(smooth=1.0)),
+        ("keys per channel, 32-token groups (KIVI)", dict(along="tokens")),
+    ):
         print(f"all layers, {label}: KL {both(**kw):.4f}")
     k0 = np.asarray(full.layers[0].k[0, :, :n], np.float32)  # [K, n, H]
     head, channel = np.unravel_index(np.abs(k0).max(axis=1).argmax(), (k0.shape[0], k0.shape[2]))
     col = k0[head, :, channel]
-    print(f"layer 0's largest channel (head {head}, channel {channel}) over the context: min {col.min():.1f}, "
-          f"max {col.max():.1f}, std {col.std():.2f}")
+    print(
+        f"layer 0's largest channel (head {head}, channel {channel}) over the context: min {col.min():.1f}, "
+        f"max {col.max():.1f}, std {col.std():.2f}"
+    )
 
 
 if __name__ == "__main__":

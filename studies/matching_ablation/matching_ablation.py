@@ -79,8 +79,10 @@ VARIANTS = {
     "am-hak-cap1": dict(selector="hak", head_cap=1.0),
 }
 KVZIP_PAIRS_FIT = {  # KVzip's own kept pairs (its keys, its uncapped budgets) under parts of the fit, for 0.02
-    **{f"kvzip-am-cap1-r{r}": dict(VARIANTS["kvzip-am-cap1"], value_ridge=float(r))
-       for r in ("1e-2", "1e-1", "1", "10", "1e4")},
+    **{
+        f"kvzip-am-cap1-r{r}": dict(VARIANTS["kvzip-am-cap1"], value_ridge=float(r))
+        for r in ("1e-2", "1e-1", "1", "10", "1e4")
+    },
     "kvzip-am-cap1-nb": dict(VARIANTS["kvzip-am-cap1"], fit_bias=False),
     "kvzip-am-cap1-nb-r1e4": dict(VARIANTS["kvzip-am-cap1"], fit_bias=False, value_ridge=1e4),
 }
@@ -109,10 +111,13 @@ def main() -> int:
     parser.add_argument("--questions-per-context", help="ask only the first N questions of each context")
     parser.add_argument("--out", default="runs/am-ablation")
     parser.add_argument("--jsonl", help="a JSONL task as well (--tasks '' for it alone)")
-    parser.add_argument("--fit-sources", help="the reference query sources the fit takes (comma-separated, among "
-                        f"{matching.SOURCES}; KVzip's scores still from the reread; HAK selects on them too), or "
-                        "oracle alone: the questions and the full cache's answers, teacher-forced on top of the "
-                        "cache, a query-aware upper bound")
+    parser.add_argument(
+        "--fit-sources",
+        help="the reference query sources the fit takes (comma-separated, among "
+        f"{matching.SOURCES}; KVzip's scores still from the reread; HAK selects on them too), or "
+        "oracle alone: the questions and the full cache's answers, teacher-forced on top of the "
+        "cache, a query-aware upper bound",
+    )
     args = parser.parse_args()
     fit_sources = tuple(args.fit_sources.split(",")) if args.fit_sources else None
     oracle = fit_sources == ("oracle",)
@@ -126,12 +131,33 @@ def main() -> int:
     extra = {**VARIANTS, **CAP_4X, **KVZIP_PAIRS_FIT, **HAK_PAIRS_KEPT}
     for name, choices in extra.items():  # method name -> MatchingConfig choices, registered as the product's own
         methods.register(methods.compaction.attention_matching(name, "matching_ablation variant", **choices))
-    return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
-                     "--context-tokens", args.context_tokens, "--batch-size", args.batch_size, "--methods", args.methods,
-                     "--ratios", args.ratios, "--seed", args.seed, "--no-progress", "--out", args.out]
-                    + (["--jsonl", args.jsonl] if args.jsonl else [])
-                    + (["--questions-per-context", args.questions_per_context] if args.questions_per_context else [])
-                    + (["--self-study"] if fit_sources and "self-study" in fit_sources else []))
+    return cli.main(
+        [
+            "eval",
+            "--model",
+            args.model,
+            "--tasks",
+            args.tasks,
+            "--contexts",
+            args.contexts,
+            "--context-tokens",
+            args.context_tokens,
+            "--batch-size",
+            args.batch_size,
+            "--methods",
+            args.methods,
+            "--ratios",
+            args.ratios,
+            "--seed",
+            args.seed,
+            "--no-progress",
+            "--out",
+            args.out,
+        ]
+        + (["--jsonl", args.jsonl] if args.jsonl else [])
+        + (["--questions-per-context", args.questions_per_context] if args.questions_per_context else [])
+        + (["--self-study"] if fit_sources and "self-study" in fit_sources else [])
+    )
 
 
 def _keeping_oracle_probes(full_answers):
@@ -141,8 +167,14 @@ def _keeping_oracle_probes(full_answers):
     def wrapped(self, batch, cache):
         full = full_answers(self, batch, cache)
         self.oracle_probes = matching.self_study.probes_from_rows(
-            [[np.concatenate([q, np.asarray(full[i]["draft"][b], np.int32)])
-              for b, q in enumerate(batch.question_rows(i))] for i in sorted(full)])  # [P][B] token rows
+            [
+                [
+                    np.concatenate([q, np.asarray(full[i]["draft"][b], np.int32)])
+                    for b, q in enumerate(batch.question_rows(i))
+                ]
+                for i in sorted(full)
+            ]
+        )  # [P][B] token rows
         return full
 
     return wrapped

@@ -49,10 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     width = max(map(len, turns))
     tokens = np.zeros((len(turns), 1, width), np.int32)
     for i, t in enumerate(turns):
-        tokens[i, 0, :len(t)] = t
-    held = matching.reference_queries(params, cfg, cache, reread, ("self-study",), 100000,
-                                      probes=matching.Probes(jnp.asarray(tokens),
-                                                             jnp.asarray([[len(t)] for t in turns], np.int32)))
+        tokens[i, 0, : len(t)] = t
+    held = matching.reference_queries(
+        params,
+        cfg,
+        cache,
+        reread,
+        ("self-study",),
+        100000,
+        probes=matching.Probes(jnp.asarray(tokens), jnp.asarray([[len(t)] for t in turns], np.int32)),
+    )
     pre, n = int(reread.prefix_len[0]), int(reread.context_len[0])
     t = max(1, int(args.ratio * n))
     scale = cfg.query_scale
@@ -68,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     heads = [(layer, h) for layer in range(cfg.num_layers) for h in range(cfg.num_kv_heads)]
     q = jnp.stack([refs.q[layer][0, h] for layer, h in heads])  # [heads, R, H]
     qh = jnp.stack([held.q[layer][0, h] for layer, h in heads])
-    k = jnp.stack([cache.layers[layer].k[0, h, pre:pre + n] for layer, h in heads])  # [heads, T, H]
-    v = jnp.stack([cache.layers[layer].v[0, h, pre:pre + n] for layer, h in heads])
+    k = jnp.stack([cache.layers[layer].k[0, h, pre : pre + n] for layer, h in heads])  # [heads, T, H]
+    v = jnp.stack([cache.layers[layer].v[0, h, pre : pre + n] for layer, h in heads])
     qv = jnp.broadcast_to(refs.valid[0], q.shape[:2])
     qhv = jnp.broadcast_to(held.valid[0], qh.shape[:2])
 
@@ -85,14 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     beta_r, cv_r = jax.block_until_ready(compiled(q, qv, k, v, ck, beta, cv))
     timings[f"refine ({args.steps} Adam steps)"] = time.perf_counter() - start
 
-    loss = jax.jit(jax.vmap(lambda qq, vv, kk, va, c_k, b, c_v: matching.matching_loss(
-        qq, kk, va, c_k, b, c_v, scale, query_valid=vv)))
+    loss = jax.jit(
+        jax.vmap(
+            lambda qq, vv, kk, va, c_k, b, c_v: matching.matching_loss(qq, kk, va, c_k, b, c_v, scale, query_valid=vv)
+        )
+    )
     kept_v = jnp.take_along_axis(v, selected[..., None], axis=1)
     zero = jnp.zeros_like(beta)
-    rows = {"eviction (kept pairs as they are)": (zero, kept_v), "closed form": (beta, cv),
-            f"refined ({args.steps} steps)": (beta_r, cv_r)}
-    print(f"{args.model}, passkey context of {n} tokens, ratio {args.ratio} ({t} keys per head, HAK), "
-          f"{len(heads)} heads; objective = relative output error + squared lse error, mean over heads")
+    rows = {
+        "eviction (kept pairs as they are)": (zero, kept_v),
+        "closed form": (beta, cv),
+        f"refined ({args.steps} steps)": (beta_r, cv_r),
+    }
+    print(
+        f"{args.model}, passkey context of {n} tokens, ratio {args.ratio} ({t} keys per head, HAK), "
+        f"{len(heads)} heads; objective = relative output error + squared lse error, mean over heads"
+    )
     print(f"{'fit':38s} {'reference queries':>18s} {'held-out queries':>17s}")
     for name, (b, c_v) in rows.items():
         ref_loss = float(loss(q, qv, k, v, ck, b, c_v).mean())

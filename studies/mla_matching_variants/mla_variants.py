@@ -40,9 +40,22 @@ from kvzip_jax.models.mla import latent_keys, up_projections
 from kvzip_jax.models.params import layer_name
 from kvzip_jax.weights.hf import params_from_hf
 
-SHAPE = dict(vocab_size=211, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=8,
-             num_key_value_heads=8, q_lora_rank=48, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-             v_head_dim=32, max_position_embeddings=1024, first_k_dense_replace=2, n_routed_experts=4)
+SHAPE = dict(
+    vocab_size=211,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    q_lora_rank=48,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    max_position_embeddings=1024,
+    first_k_dense_replace=2,
+    n_routed_experts=4,
+)
 SEEDS = (0, 1, 2)  # random models
 ROWS, PREFIX, CONTEXT, PROMPT = 2, 4, 256, 16
 FRESH = 4  # passes of 48 fresh tokens per row
@@ -71,12 +84,17 @@ def queries(params, cfg, seed: int):
     reread_tokens = np.concatenate([prompt, rows[:, PREFIX:]], axis=1)
     width = -(-reread_tokens.shape[1] // 64) * 64
     padded = np.zeros((1, ROWS, width), np.int32)
-    padded[0, :, :reread_tokens.shape[1]] = reread_tokens
+    padded[0, :, : reread_tokens.shape[1]] = reread_tokens
     full = lambda value: jnp.full((1, ROWS), value, jnp.int32)
-    reread = RereadInputs(tokens=jnp.asarray(padded), num_valid=full(reread_tokens.shape[1]),
-                          chunk_start=full(PREFIX), chunk_len=full(CONTEXT),
-                          prefix_len=jnp.full((ROWS,), PREFIX, jnp.int32),
-                          context_len=jnp.full((ROWS,), CONTEXT, jnp.int32), chunk_size=width)
+    reread = RereadInputs(
+        tokens=jnp.asarray(padded),
+        num_valid=full(reread_tokens.shape[1]),
+        chunk_start=full(PREFIX),
+        chunk_len=full(CONTEXT),
+        prefix_len=jnp.full((ROWS,), PREFIX, jnp.int32),
+        context_len=jnp.full((ROWS,), CONTEXT, jnp.int32),
+        chunk_size=width,
+    )
     fresh_rows = [[rng.integers(0, cfg.vocab_size, 48).astype(np.int32) for _ in range(ROWS)] for _ in range(FRESH)]
     seen = matching.reference_queries(params, cfg, cache, reread)
     fresh = matching.reference_queries(params, cfg, cache, None, ("self-study",), probes=probes_from_rows(fresh_rows))
@@ -86,8 +104,7 @@ def queries(params, cfg, seed: int):
         q = np.asarray(ref.q[i][b, 0], np.float64)[np.asarray(ref.valid[b])]
         return q.reshape(N, -1, q.shape[-1])
 
-    return cache, [[(per_head(seen, i, b), per_head(fresh, i, b)) for b in range(ROWS)]
-                   for i in range(cfg.num_layers)]
+    return cache, [[(per_head(seen, i, b), per_head(fresh, i, b)) for b in range(ROWS)] for i in range(cfg.num_layers)]
 
 
 def softmax_parts(q, k, scale, bias=None):
@@ -103,8 +120,9 @@ def softmax_parts(q, k, scale, bias=None):
 def nnls_bias(q, k, kept, scale) -> np.ndarray:
     """[S] log-weights of the kept keys that best match every given head's mass (the library's fit: box NNLS)."""
     q = jnp.asarray(q.reshape(-1, q.shape[-1]), jnp.float32)
-    _, beta, _ = FIT(q, jnp.asarray(k, jnp.float32), jnp.asarray(k[:, :1], jnp.float32), jnp.asarray(kept), scale,
-                     fit_values=False)
+    _, beta, _ = FIT(
+        q, jnp.asarray(k, jnp.float32), jnp.asarray(k[:, :1], jnp.float32), jnp.asarray(kept), scale, fit_values=False
+    )
     return np.asarray(beta, np.float64)
 
 
@@ -121,14 +139,17 @@ def fitted_latents(q, k, lat, kept, bias, scale) -> np.ndarray:
 def compact(variant, q, k, lat, count, scale):
     """(kept [S], bias [N, S], value latents [S, R]) of one variant at `count` tokens."""
     N = q.shape[0]
-    kept = np.asarray(matching.highest_attention_keys(jnp.asarray(q.reshape(-1, q.shape[-1]), jnp.float32),
-                                                      jnp.asarray(k, jnp.float32), scale, count))
+    kept = np.asarray(
+        matching.highest_attention_keys(
+            jnp.asarray(q.reshape(-1, q.shape[-1]), jnp.float32), jnp.asarray(k, jnp.float32), scale, count
+        )
+    )
     if variant == "evict":
         return kept, np.zeros((N, count)), lat[kept]
     if variant.startswith("shared"):
         bias = np.tile(nnls_bias(q, k, kept, scale), (N, 1))
     else:
-        bias = np.stack([nnls_bias(q[g:g + 1], k, kept, scale) for g in range(N)])
+        bias = np.stack([nnls_bias(q[g : g + 1], k, kept, scale) for g in range(N)])
     values = fitted_latents(q, k, lat, kept, bias, scale) if variant.endswith("+lat") else lat[kept]
     return kept, bias, values
 
@@ -159,8 +180,8 @@ def main():
         for i, layer in enumerate(cache.layers):
             tree = params.get("params", params)[layer_name(i)]
             w_uv = np.asarray(up_projections(lambda name: tree[name], cfg)[1], np.float64)  # [R, N, v]
-            keys = np.asarray(latent_keys(layer.k, layer.v), np.float64)[:, 0, PREFIX:PREFIX + CONTEXT]
-            lats = np.asarray(layer.v, np.float64)[:, 0, PREFIX:PREFIX + CONTEXT]
+            keys = np.asarray(latent_keys(layer.k, layer.v), np.float64)[:, 0, PREFIX : PREFIX + CONTEXT]
+            lats = np.asarray(layer.v, np.float64)[:, 0, PREFIX : PREFIX + CONTEXT]
             for b, (q_fit, q_new) in enumerate(per_layer[i]):
                 for ratio in RATIOS:
                     budget = ratio * CONTEXT * 2 * (R + dr)
@@ -168,9 +189,12 @@ def main():
                         count = int(budget // bytes_per_token(variant, N, R, dr))
                         kept, bias, values = compact(variant, q_fit, keys[b], lats[b], count, cfg.query_scale)
                         table[variant, ratio].append(
-                            (count,) + errors(q_new, keys[b], lats[b], w_uv, kept, bias, values, cfg.query_scale))
-    print(f"\n{len(SEEDS)} random models x {cfg.num_layers} layers x {ROWS} rows; {CONTEXT} context tokens; N = {N} "
-          f"heads, R = {R}, dr = {dr}\n")
+                            (count,) + errors(q_new, keys[b], lats[b], w_uv, kept, bias, values, cfg.query_scale)
+                        )
+    print(
+        f"\n{len(SEEDS)} random models x {cfg.num_layers} layers x {ROWS} rows; {CONTEXT} context tokens; N = {N} "
+        f"heads, R = {R}, dr = {dr}\n"
+    )
     print("| bytes ratio | variant | tokens kept | output error (x evict) | log-mass error (x evict) |")
     print("|---:|---|---:|---:|---:|")
     for ratio in RATIOS:
@@ -178,11 +202,15 @@ def main():
         for variant in VARIANTS:
             rows = np.asarray(table[variant, ratio])
             out, mass = rows[:, 1] / base[:, 1], rows[:, 2] / base[:, 2]
-            print(f"| {ratio} | {variant} | {int(rows[0, 0])} | {np.exp(np.log(out).mean()):.3f} "
-                  f"[{out.min():.2f}, {out.max():.2f}] | {np.exp(np.log(mass).mean()):.3f} "
-                  f"[{mass.min():.2f}, {mass.max():.2f}] |")
-    print("\nx evict: the geometric mean over models, layers and rows of the variant's error over eviction's at the "
-          "same bytes [min, max].")
+            print(
+                f"| {ratio} | {variant} | {int(rows[0, 0])} | {np.exp(np.log(out).mean()):.3f} "
+                f"[{out.min():.2f}, {out.max():.2f}] | {np.exp(np.log(mass).mean()):.3f} "
+                f"[{mass.min():.2f}, {mass.max():.2f}] |"
+            )
+    print(
+        "\nx evict: the geometric mean over models, layers and rows of the variant's error over eviction's at the "
+        "same bytes [min, max]."
+    )
 
 
 if __name__ == "__main__":

@@ -58,8 +58,10 @@ def main() -> None:
     compacted = apply_block(params, cfg, 1, x, repeat.positions, off_cache.layers[1], repeat.num_valid)[0]
     rows = int(repeat.num_valid[0])
     norm = lambda a: float(jnp.linalg.norm(a[0, :rows]))
-    print(f"layer 1's update to the reread ({rows} rows), compacted vs full: relative L2 "
-          f"{norm(compacted - full) / norm(full - x):.1%}")
+    print(
+        f"layer 1's update to the reread ({rows} rows), compacted vs full: relative L2 "
+        f"{norm(compacted - full) / norm(full - x):.1%}"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", default="bench/results/kvpress-quality.txt", help="bench/kvpress_quality.py output")
     parser.add_argument("--ratio", type=float, default=0.3)
     args = parser.parse_args(argv)
-    ours = {(r["context"], r["question"]): r["correct"] for r in json.load(_open(args.ours))
-            if r["level"] == "pair" and r["ratio"] == args.ratio}
+    ours = {
+        (r["context"], r["question"]): r["correct"]
+        for r in json.load(_open(args.ours))
+        if r["level"] == "pair" and r["ratio"] == args.ratio
+    }
     peer = {}
     for line in _open(args.peer):
         if line.startswith("{"):
@@ -43,10 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     mean = sum(diffs) / n
     sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1))
     half = 1.96 * sd / math.sqrt(n)
-    print(f"ratio {args.ratio}, {n} questions: ours {sum(ours[k] for k in keys)}/{n} right, kvpress KVzipPress "
-          f"{sum(peer[k] for k in keys)}/{n}; difference {mean * n:+.0f} questions ({mean:+.3f}), 95% interval "
-          f"[{(mean - half) * n:+.1f}, {(mean + half) * n:+.1f}] questions; discordant: ours only "
-          f"{sum(d > 0 for d in diffs)}, kvpress only {sum(d < 0 for d in diffs)}")
+    print(
+        f"ratio {args.ratio}, {n} questions: ours {sum(ours[k] for k in keys)}/{n} right, kvpress KVzipPress "
+        f"{sum(peer[k] for k in keys)}/{n}; difference {mean * n:+.0f} questions ({mean:+.3f}), 95% interval "
+        f"[{(mean - half) * n:+.1f}, {(mean + half) * n:+.1f}] questions; discordant: ours only "
+        f"{sum(d > 0 for d in diffs)}, kvpress only {sum(d < 0 for d in diffs)}"
+    )
     return 0
 
 

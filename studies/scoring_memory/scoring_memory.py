@@ -46,21 +46,37 @@ def measure(tokens: int, chunk: int) -> dict:
     empty = kv.init_cache(cfg, 1, tokens + 128)
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 2 * cfg.num_layers))
     cache = kv.KVCache(
-        layers=tuple(dataclasses.replace(layer, k=jax.random.normal(next(keys), layer.k.shape),
-                                         v=jax.random.normal(next(keys), layer.v.shape),
-                                         lengths=jnp.full(layer.lengths.shape, tokens, jnp.int32))
-                     for layer in empty.layers),
-        next_position=jnp.full((1,), tokens, jnp.int32))
+        layers=tuple(
+            dataclasses.replace(
+                layer,
+                k=jax.random.normal(next(keys), layer.k.shape),
+                v=jax.random.normal(next(keys), layer.v.shape),
+                lengths=jnp.full(layer.lengths.shape, tokens, jnp.int32),
+            )
+            for layer in empty.layers
+        ),
+        next_position=jnp.full((1,), tokens, jnp.int32),
+    )
     context_ids = np.random.default_rng(0).integers(0, 1000, context)
     reread = reread_inputs(model.tokenizer, [prefix], [context_ids], chunk)  # the real reread prompt around each chunk
     jax.block_until_ready(cache)
     compiled = jax.jit(kvzip.score).lower(params, cfg, cache, reread).compile()
-    out = dict(tokens=tokens, chunk=chunk, cache_bytes=kv.nbytes(cache),
-               temp_bytes=compiled.memory_analysis().temp_size_in_bytes, calls=[])
+    out = dict(
+        tokens=tokens,
+        chunk=chunk,
+        cache_bytes=kv.nbytes(cache),
+        temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
+        calls=[],
+    )
     for _ in range(2):
         _, seconds, before, peak = peak_resident(lambda: jax.block_until_ready(compiled(params, cfg, cache, reread)))
-        out["calls"].append(dict(seconds=seconds, extra_bytes=peak["total"] - before["total"],
-                                 left_bytes=resident()["total"] - before["total"]))
+        out["calls"].append(
+            dict(
+                seconds=seconds,
+                extra_bytes=peak["total"] - before["total"],
+                left_bytes=resident()["total"] - before["total"],
+            )
+        )
     return out
 
 
@@ -76,23 +92,31 @@ def main() -> None:
     rows = []
     for chunk in args.chunks:
         for allocator, env in (("glibc", {}), ("returning", RETURNING)):
-            child = subprocess.run([sys.executable, __file__, "--tokens", str(args.tokens), "--one", str(chunk)],
-                                   capture_output=True, text=True, env={**os.environ, **env})
+            child = subprocess.run(
+                [sys.executable, __file__, "--tokens", str(args.tokens), "--one", str(chunk)],
+                capture_output=True,
+                text=True,
+                env={**os.environ, **env},
+            )
             if child.returncode:
                 sys.exit(f"chunk {chunk} ({allocator}) failed:\n{child.stderr[-3000:]}")
             rows.append(dict(json.loads(child.stdout.strip().splitlines()[-1]), allocator=allocator))
             print(rows[-1], flush=True)
-    lines = [f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, kvzip.score over a random cache of {args.tokens:,} "
-             "tokens, called twice per process",
-             "| chunk | allocator | cache MiB | XLA temp MiB | 1st call extra MiB (% of cache) | left after it MiB | "
-             "2nd call extra MiB | 1st call s |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Qwen2.5-Coder-0.5B-Instruct float32, this CPU, kvzip.score over a random cache of {args.tokens:,} "
+        "tokens, called twice per process",
+        "| chunk | allocator | cache MiB | XLA temp MiB | 1st call extra MiB (% of cache) | left after it MiB | "
+        "2nd call extra MiB | 1st call s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         first, second = r["calls"]
         share = 100 * first["extra_bytes"] / r["cache_bytes"]
-        lines.append(f"| {r['chunk']:,} | {r['allocator']} | {r['cache_bytes'] / MiB:.0f} | "
-                     f"{r['temp_bytes'] / MiB:.1f} | {first['extra_bytes'] / MiB:.1f} ({share:.0f}%) | "
-                     f"{first['left_bytes'] / MiB:.1f} | {second['extra_bytes'] / MiB:.1f} | {first['seconds']:.0f} |")
+        lines.append(
+            f"| {r['chunk']:,} | {r['allocator']} | {r['cache_bytes'] / MiB:.0f} | "
+            f"{r['temp_bytes'] / MiB:.1f} | {first['extra_bytes'] / MiB:.1f} ({share:.0f}%) | "
+            f"{first['left_bytes'] / MiB:.1f} | {second['extra_bytes'] / MiB:.1f} | {first['seconds']:.0f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     out = HERE / "results" / "scoring-memory.txt"

@@ -42,8 +42,7 @@ def variants(counts: list[int]) -> dict[str, dict]:
     out = {}
     for n in counts:
         for name in ("am-hak", "am-hak-kb"):
-            out[f"{name}-ss{n}"] = dict(methods.get(name).option_defaults(), sources=SOURCES,
-                                        self_study_queries=n)
+            out[f"{name}-ss{n}"] = dict(methods.get(name).option_defaults(), sources=SOURCES, self_study_queries=n)
     return out
 
 
@@ -76,12 +75,39 @@ def main(argv: list[str] | None = None) -> int:
         methods.register(methods.compaction.attention_matching(name, "self_study_scale variant", **choices))
     _count_rows(Path(args.out) / "self_study_rows.json")
     names = ",".join(["kvzip"] + list(extra))
-    return cli.main(["eval", "--model", args.model, "--tasks", args.tasks, "--contexts", args.contexts,
-                     "--context-tokens", args.context_tokens, "--questions-per-context", args.questions_per_context,
-                     "--batch-size", args.batch_size, "--methods", names, "--ratios", args.ratios, "--seed",
-                     args.seed, "--self-study", "--self-study-samples", str(args.samples), "--self-study-tokens",
-                     str(args.tokens), "--query-cap", str(2 * max(max(counts), 1)), "--out", args.out]
-                    + (["--jsonl", args.jsonl] if args.jsonl else []))
+    return cli.main(
+        [
+            "eval",
+            "--model",
+            args.model,
+            "--tasks",
+            args.tasks,
+            "--contexts",
+            args.contexts,
+            "--context-tokens",
+            args.context_tokens,
+            "--questions-per-context",
+            args.questions_per_context,
+            "--batch-size",
+            args.batch_size,
+            "--methods",
+            names,
+            "--ratios",
+            args.ratios,
+            "--seed",
+            args.seed,
+            "--self-study",
+            "--self-study-samples",
+            str(args.samples),
+            "--self-study-tokens",
+            str(args.tokens),
+            "--query-cap",
+            str(2 * max(max(counts), 1)),
+            "--out",
+            args.out,
+        ]
+        + (["--jsonl", args.jsonl] if args.jsonl else [])
+    )
 
 
 ORACLE = {"am-hak-cap1": "oracle am-hak (no head cap)", "am-hak-kb": "oracle am-hak-kb"}
@@ -96,8 +122,11 @@ def curve(out: Path, oracle: Path | None = None) -> None:
 
     records = report.read_records(out / "results.jsonl")
     if oracle is not None:  # its full-cache rows are the same computation; its methods renamed
-        records += [dict(r, method=ORACLE[r["method"]]) for r in report.read_records(oracle / "results.jsonl")
-                    if r["method"] in ORACLE]
+        records += [
+            dict(r, method=ORACLE[r["method"]])
+            for r in report.read_records(oracle / "results.jsonl")
+            if r["method"] in ORACLE
+        ]
     pooled = report.summarize([dict(r, task="all tasks") for r in records])
     rows = report.summarize(records) + pooled
     counts = sorted({int(r["method"].rsplit("-ss", 1)[1]) for r in records if "-ss" in r["method"]})
@@ -106,13 +135,18 @@ def curve(out: Path, oracle: Path | None = None) -> None:
     flat = [m for m in ("kvzip",) + tuple(ORACLE.values()) if any(k[1] == m for k in at)]
     captured = json.loads((out / "self_study_rows.json").read_text()).values()
     label = {n: (f"{n} (all: {min(captured)}-{max(captured)})" if n > min(captured) else str(n)) for n in counts}
-    lines = ["# Score and KL against the self-study queries per KV head\n",
-             "Normalised score: % of the full cache's (95% bootstrap interval over contexts, pooled row); KL: mean "
-             "next-token KL(full || compressed), teacher-forced. A count above what a context's turns gave takes "
-             "all of them (self_study_rows.json).\n"]
+    lines = [
+        "# Score and KL against the self-study queries per KV head\n",
+        "Normalised score: % of the full cache's (95% bootstrap interval over contexts, pooled row); KL: mean "
+        "next-token KL(full || compressed), teacher-forced. A count above what a context's turns gave takes "
+        "all of them (self_study_rows.json).\n",
+    ]
     for ratio in ratios:
-        lines += [f"\n## ratio {ratio}\n", "| task | method | " + " | ".join(label[n] for n in counts) + " |",
-                  "|---|---|" + "---:|" * len(counts)]
+        lines += [
+            f"\n## ratio {ratio}\n",
+            "| task | method | " + " | ".join(label[n] for n in counts) + " |",
+            "|---|---|" + "---:|" * len(counts),
+        ]
         tasks = sorted({k[0] for k in at if k[0] != "all tasks"}) + ["all tasks"]
         for task in tasks:
             for name in ("am-hak", "am-hak-kb"):

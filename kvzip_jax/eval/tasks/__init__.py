@@ -30,8 +30,10 @@ from kvzip_jax.eval.tasks.jsonl import load_jsonl
 
 __all__ = ["TASKS", "Example", "generate", "load_jsonl"]
 
-TASKS = {module.TASK: module.generate for module in (niah, passkey, kv_retrieval, multi_needle, variable_tracking,
-                                                     prefix_suffix, key_numbers)}
+TASKS = {
+    module.TASK: module.generate
+    for module in (niah, passkey, kv_retrieval, multi_needle, variable_tracking, prefix_suffix, key_numbers)
+}
 
 
 def task_number(task: str) -> int:
@@ -39,8 +41,13 @@ def task_number(task: str) -> int:
     return zlib.crc32(task.encode())
 
 
-def generate(task: str, num_contexts: int, seed: int = 0, context_tokens: int = 1000,
-             count_tokens: Callable[[str], int] | None = None) -> list[Example]:
+def generate(
+    task: str,
+    num_contexts: int,
+    seed: int = 0,
+    context_tokens: int = 1000,
+    count_tokens: Callable[[str], int] | None = None,
+) -> list[Example]:
     """num_contexts examples of a generated task, ids f"{task}-{seed}-{i}", contexts of about context_tokens tokens
     as counted by count_tokens (default: haystack.approx_tokens, four characters a token)."""
     if task not in TASKS:
@@ -52,6 +59,9 @@ def generate(task: str, num_contexts: int, seed: int = 0, context_tokens: int = 
     if seed < 0:
         raise ValueError(f"seed must be non-negative, got {seed}")
     count = count_tokens or haystack.approx_tokens
-    return [TASKS[task](np.random.default_rng([seed, index, task_number(task)]), f"{task}-{seed}-{index}",
-                        context_tokens, count)
-            for index in range(num_contexts)]
+    return [
+        TASKS[task](
+            np.random.default_rng([seed, index, task_number(task)]), f"{task}-{seed}-{index}", context_tokens, count
+        )
+        for index in range(num_contexts)
+    ]

@@ -21,11 +21,53 @@ from pathlib import Path
 import numpy as np
 
 # Prose-rich modules first; modules missing from an installation are skipped.
-MODULES = ("copy", "sched", "cmd", "socketserver", "heapq", "doctest", "unittest", "pdb", "timeit", "argparse",
-           "subprocess", "configparser", "statistics", "tempfile", "difflib", "typing", "inspect", "random", "json",
-           "collections", "pathlib", "pydoc", "textwrap", "shlex", "csv", "pickle", "threading", "fractions",
-           "contextlib", "functools", "zipfile", "tarfile", "smtplib", "mailbox", "calendar", "locale", "gettext",
-           "shelve", "fileinput", "shutil", "queue", "socket", "turtle", "pyclbr", "tokenize")
+MODULES = (
+    "copy",
+    "sched",
+    "cmd",
+    "socketserver",
+    "heapq",
+    "doctest",
+    "unittest",
+    "pdb",
+    "timeit",
+    "argparse",
+    "subprocess",
+    "configparser",
+    "statistics",
+    "tempfile",
+    "difflib",
+    "typing",
+    "inspect",
+    "random",
+    "json",
+    "collections",
+    "pathlib",
+    "pydoc",
+    "textwrap",
+    "shlex",
+    "csv",
+    "pickle",
+    "threading",
+    "fractions",
+    "contextlib",
+    "functools",
+    "zipfile",
+    "tarfile",
+    "smtplib",
+    "mailbox",
+    "calendar",
+    "locale",
+    "gettext",
+    "shelve",
+    "fileinput",
+    "shutil",
+    "queue",
+    "socket",
+    "turtle",
+    "pyclbr",
+    "tokenize",
+)
 MIN_WORDS = 5
 MIN_LETTER_SHARE = 0.85  # letters and spaces among a sentence's characters; lower is code or a table
 _SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -48,8 +90,13 @@ def is_prose(sentence: str) -> bool:
     letters."""
     letters = sum(c.isalpha() or c.isspace() for c in sentence)
     lower = sum(c.islower() for c in sentence)
-    return (len(sentence.split()) >= MIN_WORDS and sentence[0].isupper() and sentence[-1] in ".!?"
-            and letters >= MIN_LETTER_SHARE * len(sentence) and 2 * lower > sum(c.isalpha() for c in sentence))
+    return (
+        len(sentence.split()) >= MIN_WORDS
+        and sentence[0].isupper()
+        and sentence[-1] in ".!?"
+        and letters >= MIN_LETTER_SHARE * len(sentence)
+        and 2 * lower > sum(c.isalpha() for c in sentence)
+    )
 
 
 def prose_sentences(text: str) -> list[str]:
@@ -79,8 +126,11 @@ def module_docstrings(name: str) -> list[str]:
     source = module_source(name)
     if source is None:
         return []
-    nodes = (n for n in ast.walk(ast.parse(source.read_text(encoding="utf-8")))
-             if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)))
+    nodes = (
+        n
+        for n in ast.walk(ast.parse(source.read_text(encoding="utf-8")))
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+    )
     return [doc for doc in map(ast.get_docstring, nodes) if doc]
 
 
@@ -99,8 +149,7 @@ def sentences() -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for text in texts for s in prose_sentences(text)))
 
 
-def draw(rng: np.random.Generator, num_tokens: int,
-         count_tokens: Callable[[str], int] = approx_tokens) -> list[str]:
+def draw(rng: np.random.Generator, num_tokens: int, count_tokens: Callable[[str], int] = approx_tokens) -> list[str]:
     """A contiguous run of corpus sentences from a random start, wrapping at the end, of about num_tokens tokens:
     the last sentence is kept only if it brings the total closer to num_tokens."""
     corpus = sentences()
@@ -139,8 +188,12 @@ def insert_needles(haystack: Sequence[str], needles: Sequence[str], depths: Sequ
     return " ".join(parts)
 
 
-def plant(rng: np.random.Generator, needles: Sequence[str], context_tokens: int,
-          count_tokens: Callable[[str], int] = approx_tokens) -> str:
+def plant(
+    rng: np.random.Generator,
+    needles: Sequence[str],
+    context_tokens: int,
+    count_tokens: Callable[[str], int] = approx_tokens,
+) -> str:
     """A context of about context_tokens tokens: a drawn haystack with the needle sentences at spread depths (one
     per stratum, in the given order)."""
     sentences = draw(rng, context_tokens - sum(map(count_tokens, needles)), count_tokens)

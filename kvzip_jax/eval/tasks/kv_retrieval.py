@@ -22,8 +22,12 @@ def random_uuid(rng: np.random.Generator) -> str:
     return str(uuid.UUID(bytes=rng.bytes(16), version=4))
 
 
-def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
-             count_tokens: Callable[[str], int] = haystack.approx_tokens) -> Example:
+def generate(
+    rng: np.random.Generator,
+    example_id: str,
+    context_tokens: int,
+    count_tokens: Callable[[str], int] = haystack.approx_tokens,
+) -> Example:
     """A JSON object of about context_tokens tokens (at least NUM_QUESTIONS pairs); NUM_QUESTIONS questions about
     keys at spread positions."""
     pairs = {random_uuid(rng): random_uuid(rng) for _ in range(SAMPLE_PAIRS)}
@@ -33,7 +37,9 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
         pairs[random_uuid(rng)] = random_uuid(rng)
     items = list(pairs.items())[:num_pairs]
     asked = [items[int(depth * num_pairs)] for depth in haystack.spread_depths(rng, NUM_QUESTIONS)]
-    questions = tuple(f'What is the value of the key "{key}" in the JSON object? Answer with the value only.'
-                      for key, _ in asked)
-    return Example(TASK, example_id, json.dumps(dict(items)), questions, tuple((value,) for _, value in asked),
-                   "inclusion", 40)
+    questions = tuple(
+        f'What is the value of the key "{key}" in the JSON object? Answer with the value only.' for key, _ in asked
+    )
+    return Example(
+        TASK, example_id, json.dumps(dict(items)), questions, tuple((value,) for _, value in asked), "inclusion", 40
+    )

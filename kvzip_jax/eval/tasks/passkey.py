@@ -15,10 +15,15 @@ NEEDLE = "The pass key for the {label} door is {number}."
 QUESTION = "What is the pass key for the {label} door? Answer with the number only."
 
 
-def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
-             count_tokens: Callable[[str], int] = haystack.approx_tokens) -> Example:
+def generate(
+    rng: np.random.Generator,
+    example_id: str,
+    context_tokens: int,
+    count_tokens: Callable[[str], int] = haystack.approx_tokens,
+) -> Example:
     """A haystack of about context_tokens tokens with NUM_KEYS pass keys, one per stratum of depth; a question per
     key."""
     colours = words.pick(rng, words.COLOURS, NUM_KEYS)
-    return labelled_numbers.example(rng, TASK, example_id, context_tokens, count_tokens, colours, 5, NEEDLE, QUESTION,
-                                    max_new_tokens=16)
+    return labelled_numbers.example(
+        rng, TASK, example_id, context_tokens, count_tokens, colours, 5, NEEDLE, QUESTION, max_new_tokens=16
+    )

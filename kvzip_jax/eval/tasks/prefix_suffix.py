@@ -37,8 +37,12 @@ def distinct_targets(rng: np.random.Generator, count: int) -> list[str]:
             return targets
 
 
-def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
-             count_tokens: Callable[[str], int] = haystack.approx_tokens) -> Example:
+def generate(
+    rng: np.random.Generator,
+    example_id: str,
+    context_tokens: int,
+    count_tokens: Callable[[str], int] = haystack.approx_tokens,
+) -> Example:
     """About context_tokens tokens of strings (at least 3 * NUM_QUESTIONS); the asked strings sit at spread
     positions, and any other string with an asked (prefix, suffix) is dropped, so each question has one answer."""
     targets = distinct_targets(rng, NUM_QUESTIONS)
@@ -55,7 +59,10 @@ def generate(rng: np.random.Generator, example_id: str, context_tokens: int,
         strings[decoys[2 * k + 1]] = random_line(rng)[:-AFFIX_LENGTH] + suffix
     asked = set(map(affixes, targets))
     kept = [s for i, s in enumerate(strings) if i in positions or affixes(s) not in asked]
-    questions = tuple(f'Which string in the list starts with "{prefix}" and ends with "{suffix}"? Answer with the '
-                      'string only.' for prefix, suffix in map(affixes, targets))
-    return Example(TASK, example_id, "\n".join(kept), questions, tuple((target,) for target in targets),
-                   "inclusion", 32)
+    questions = tuple(
+        f'Which string in the list starts with "{prefix}" and ends with "{suffix}"? Answer with the string only.'
+        for prefix, suffix in map(affixes, targets)
+    )
+    return Example(
+        TASK, example_id, "\n".join(kept), questions, tuple((target,) for target in targets), "inclusion", 32
+    )
