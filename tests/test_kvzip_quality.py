@@ -71,6 +71,7 @@ def test_int4_after_kvzip_0_3_keeps_exact_values_behind_random_keys(qwen):
     KVzip cache gives right, the int4 one gives right too. On this context int4 in groups of 64 (the format before
     studies/kv_quant_after_eviction) loses two of the three UUIDs KVzip keeps: layer 0's keys, whose largest RoPE
     channels set the scale of every other channel of a 64-wide group."""
+    drop_compiled_and_freed()  # the programs of the tests before it (other shapes) would stack under its peak
     tok, params, cfg = qwen.tokenizer, qwen.params, qwen.cfg
     (example,) = tasks.generate("kv_retrieval", 1, seed=0, context_tokens=160)  # about 575 tokens, 4 questions
     context, suffixes = prompts.split_for_reuse(
