@@ -123,14 +123,12 @@ def test_names_options_and_inputs_are_checked(setup):
     with pytest.raises(methods.MethodError, match=r"no option\(s\) \['levels'\]"):
         methods.get("kvzip").options_for(levels="pair")
     assert methods.get("kvzip").options_for(level="layer").level == "layer"
+    no_key = methods.Inputs(inputs.prefix_len, inputs.context_len, context_tokens=inputs.context_tokens)
+    random = methods.get("random")
     with pytest.raises(methods.MethodError, match="random needs the input"):
-        methods.get("random").compress(
-            params,
-            cfg,
-            cache,
-            methods.Inputs(inputs.prefix_len, inputs.context_len, context_tokens=inputs.context_tokens),
-            0.3,
-        )
+        random.compress(params, cfg, cache, no_key, 0.3)
+    with pytest.raises(methods.MethodError, match="random needs the input"):  # as the sweep and the CLI call it
+        random.jitted_prepare(params, cfg, cache, no_key, random.options)
     with pytest.raises(methods.MethodError, match="unknown inputs"):
         dataclasses.replace(methods.get("kvzip"), name="x", needs=("weights",))
     for name in methods.names():

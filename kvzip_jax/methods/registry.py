@@ -131,7 +131,9 @@ class Method:
 
     @property
     def jitted_prepare(self) -> Callable:
-        return _jitted(self.prepare, ())
+        """prepare, jitted, its inputs checked first (the sweep and the CLI call it, not compress)."""
+        jitted = _jitted(self.prepare, ())
+        return lambda params, cfg, cache, inputs, options: jitted(params, cfg, cache, self.checked(inputs), options)
 
     @property
     def jitted_finish(self) -> Callable:
