@@ -31,7 +31,7 @@ test: $(VENV)/.installed-test
 	$(TEST_RUN) -m "not quality48 and not extended" tests
 
 test-fast: $(VENV)/.installed-test
-	$(TEST_RUN) -m "not real_model and not quality48 and not extended" tests
+	$(TEST_RUN) -m "not real_model and not heavy and not quality48 and not extended" tests
 
 # ruff (configured in pyproject.toml): the lint rules, and the tree as `ruff format` writes it.
 lint: $(VENV)/.installed-test

@@ -65,6 +65,12 @@ def pytest_configure(config):
     )
     config.addinivalue_line(
         "markers",
+        "heavy: a tiny-model check of several seconds whose path a quicker test of `make test-fast` also walks "
+        "(an end-to-end run, a subprocess mesh, a notebook, or another case of a grid); in `make test`, "
+        "not in `make test-fast`",
+    )
+    config.addinivalue_line(
+        "markers",
         "real_model: loads a bundled model's weights or reads its weight files (set "
         "by conftest on every test using a REAL_MODEL_FIXTURES fixture; `make test-fast` leaves "
         "these out)",

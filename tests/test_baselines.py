@@ -204,6 +204,7 @@ def oracle_pyramid(percent, L, K, n, w=None, beta=20.0):
     return K * (high - np.arange(L) * (high - low) / (L - 1) + w)
 
 
+@pytest.mark.heavy
 @settings(max_examples=60, deadline=None)
 @given(
     percent=st.integers(1, 100),

@@ -29,6 +29,7 @@ def _check_rows(out: str) -> None:
     assert "nan" not in out.lower()
 
 
+@pytest.mark.heavy
 def test_gpu_bench_runs_its_mla_case_and_a_registry_model_by_path_with_its_weights(tmp_path, capsys):
     """The smoke run's random-weight MLA case, then --models: a model loaded through the registry (here a tiny
     checkpoint folder of the smoke run's GQA shape; on the device, a bundled name) runs the same rows on its weights;

@@ -70,12 +70,21 @@ def setup():
 
 # Eager runs op by op (slow): each selector and each budget is run eagerly once, every pair under jit.
 EAGER = {("uniform", "hak"), ("global", "omp"), ("uniform", "kvzip"), ("profile", "hak")}
+# make test-fast runs each selector and each budget once, eagerly once (the others are marked heavy).
+FAST = {("uniform", "hak"), ("global", "kvzip"), ("profile", "omp")}
 
 
-@pytest.mark.parametrize("selector", matching.SELECTORS)
-@pytest.mark.parametrize("budget", matching.BUDGETS)
+@pytest.mark.parametrize(
+    "budget,selector",
+    [
+        pytest.param(b, s, marks=() if (b, s) in FAST else pytest.mark.heavy)
+        for b in matching.BUDGETS
+        for s in matching.SELECTORS
+    ],
+)
 def test_compact_jit_eager_budgets(setup, selector, budget):
     assert {s for _, s in EAGER} == set(matching.SELECTORS) and {b for b, _ in EAGER} == set(matching.BUDGETS)
+    assert {s for _, s in FAST} == set(matching.SELECTORS) and {b for b, _ in FAST} == set(matching.BUDGETS)
     cfg, params, cache, reread = setup
     # shares of (layer, KV head), one none, one above half a head's keys (16 of 27 kept: a value fit over this random
     # model's near-uniform attention that is ill-conditioned, which normal equations alone left to the third digit)
@@ -203,6 +212,7 @@ def test_am_hak_kb_keeps_kvzips_own_per_head_counts(setup):
     assert np.asarray(counts).std() > 0  # budgets are uneven, or the test would not tell them from uniform ones
 
 
+@pytest.mark.heavy
 def test_each_head_is_its_own_fit_whatever_its_fit_size(setup, monkeypatch):
     """Global budgets fit each head at the smallest static size of budgets.fit_sizes that holds its count, padded
     to the largest: every head of the compacted cache holds what fit_head gives for that head alone, at exactly its

@@ -128,6 +128,7 @@ def sweeps(tmp_path_factory):
     return runs, killed
 
 
+@pytest.mark.heavy
 def test_two_processes_merged_give_the_one_process_summary(sweeps, capsys):
     """The shares split the batches (each context in one share), write no summary, and `--merge` writes one equal
     to one process's byte for byte (the killed and restarted share included)."""
@@ -148,6 +149,7 @@ def test_two_processes_merged_give_the_one_process_summary(sweeps, capsys):
         }, key
 
 
+@pytest.mark.heavy
 def test_a_killed_share_resumes_without_losing_or_repeating_answers(sweeps):
     runs, killed = sweeps
     complete = killed[: killed.rfind(b"\n") + 1]
@@ -158,6 +160,7 @@ def test_a_killed_share_resumes_without_losing_or_repeating_answers(sweeps):
     assert len(by_key(runs.root / "two" / "results.1-of-2.jsonl")) == written  # none repeated
 
 
+@pytest.mark.heavy
 def test_a_replica_over_two_distributed_processes_answers_as_one_process(sweeps):
     """--distributed: two processes, one mesh over their four devices, every batch run in lockstep; process 0 alone
     writes the results and the summary, whose answers equal those of one process with four devices (KL to 1e-5:

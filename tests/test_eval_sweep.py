@@ -185,6 +185,7 @@ def test_another_configuration_is_never_merged_into_a_results_file(model, batche
         sw.run_sweep(model, examples(), config, old, progress=False)
 
 
+@pytest.mark.heavy
 def test_a_batched_sweep_equals_one_by_one(model, batched, tmp_path):
     path = tmp_path / "one.jsonl"
     sw.run_sweep(model, examples(), sw.SweepConfig(**{**CONFIG.__dict__, "batch_size": 1}), path, progress=False)
@@ -286,6 +287,7 @@ def test_two_devices_give_the_same_answers_as_one(tmp_path):  # test_sharding's 
         assert two[key]["kl"] == pytest.approx(one[key]["kl"], abs=1e-4)
 
 
+@pytest.mark.heavy
 def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
     """No array outlives the sweep; the programs compiled for one task's shapes are dropped when the next task
     starts, so a sweep holds those of one task at a time; the params are not copied onto a one-device mesh."""
@@ -310,6 +312,7 @@ def test_memory_does_not_pile_up_over_tasks(model, tmp_path):
     ) == one_task
 
 
+@pytest.mark.heavy
 def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
     """The AM methods (off- and on-policy) sweep beside KVzip from one shared reference pass: every answer recorded,
     ratio 1 answers as the full cache, a compacted cache moves the distributions (finite KL > 0) at 0.2."""
@@ -333,6 +336,7 @@ def test_attention_matching_methods_run_in_the_sweep(model, tmp_path):
         assert np.isfinite(kls).all() and np.mean(kls) > 0.0, method
 
 
+@pytest.mark.heavy
 def test_self_study_turns_join_the_attention_matching_fit(model, tmp_path):
     """--self-study: the model's own turns about each context join the reread's reference queries (off- and
     on-policy), so the fitted caches answer differently; the setting is part of the results file's identity."""

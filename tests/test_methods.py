@@ -64,7 +64,14 @@ def _assert_same_cache(a: kv.KVCache, b: kv.KVCache) -> None:
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("name", ["kvzip", "h2o", "snapkv", "pyramidkv", "streamingllm", "random"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "kvzip",
+        "snapkv",
+        *(pytest.param(n, marks=pytest.mark.heavy) for n in ("h2o", "pyramidkv", "streamingllm", "random")),
+    ],
+)
 def test_an_eviction_entry_is_its_scores_budget_rule_and_mask(setup, name):
     cfg, params, cache, inputs = setup
     method = methods.get(name)
@@ -90,7 +97,9 @@ def test_an_eviction_entry_is_its_scores_budget_rule_and_mask(setup, name):
     _assert_same_cache(method.compress(params, cfg, cache, given, 0.3), got)  # eager as jitted
 
 
-@pytest.mark.parametrize("name", ["am-hak", "kvzip-am", "am-hak-op"])
+@pytest.mark.parametrize(
+    "name", ["am-hak", *(pytest.param(n, marks=pytest.mark.heavy) for n in ("kvzip-am", "am-hak-op"))]
+)
 def test_a_compaction_entry_is_its_matching_config(setup, name):
     cfg, params, cache, inputs = setup
     method = methods.get(name)
@@ -164,6 +173,7 @@ class _ToyOptions:
     slope: float = 1.0
 
 
+@pytest.mark.heavy
 def test_a_method_defined_here_runs_through_eval_with_table_and_plot(capsys, monkeypatch, tmp_path):
     """A new method is one register call: the CLI lists it, the sweep runs it beside kvzip, the report tables and
     plots it; nothing else changes."""

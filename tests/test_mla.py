@@ -321,6 +321,7 @@ def test_head_level_kvzip_and_refined_attention_matching_are_named_errors_on_mla
         matching.compact(params, cfg, cache, reread, matching.MatchingConfig(ratio=0.3, refine_steps=2))
 
 
+@pytest.mark.heavy
 def test_attention_matching_on_mla_fits_one_bias_per_kept_token_for_every_head(one):
     """AM on the latent cache, per layer: the reference queries are every head's absorbed ones. Keeping every token,
     every head attends to new queries as before (1e-3, test_matching's bar). At 0.3 (HAK over the heads' pooled

@@ -65,6 +65,7 @@ def tiny_checkpoint(tmp_path_factory):
     return save_checkpoint(path, cfg, init_params(cfg, seed=1, scale=0.15), tokenizer)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_notebook_runs_and_shows_its_results(name, tiny_checkpoint, tmp_path):
     outputs = _run(name, tiny_checkpoint, tmp_path)

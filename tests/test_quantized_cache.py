@@ -62,12 +62,12 @@ def _dequantized_twin(cache: kv.KVCache) -> kv.KVCache:
     "form,fmt,center",
     [
         ("dense", FORMATS[0], True),
-        ("masked", FORMATS[1], True),
-        ("compacted", FORMATS[0], True),
-        ("ragged", FORMATS[1], True),
+        pytest.param("masked", FORMATS[1], True, marks=pytest.mark.heavy),  # make test-fast: the first and last
+        pytest.param("compacted", FORMATS[0], True, marks=pytest.mark.heavy),
+        pytest.param("ragged", FORMATS[1], True, marks=pytest.mark.heavy),
         ("ragged-compacted", FORMATS[1], True),
-        ("masked", FORMATS[1], False),
-        ("ragged-compacted", FORMATS[0], False),
+        pytest.param("masked", FORMATS[1], False, marks=pytest.mark.heavy),
+        pytest.param("ragged-compacted", FORMATS[0], False, marks=pytest.mark.heavy),
     ],
     ids=[
         "dense-int8",

@@ -65,6 +65,7 @@ def test_probes_from_rows_right_pads_turns_already_written():
     np.testing.assert_array_equal(np.asarray(got.num_valid), [[3, 1], [2, 2]])
 
 
+@pytest.mark.heavy
 def test_self_study_probes_serve_as_reference_queries(setup):
     """(On-policy with self-study runs in tests/test_cli.py, through compress --method kvzip-am-op --self-study.)"""
     model, cache, reread = setup
@@ -75,6 +76,7 @@ def test_self_study_probes_serve_as_reference_queries(setup):
     assert not np.allclose(np.asarray(out.layers[0].v), np.asarray(repeat_only.layers[0].v))  # the probes count
 
 
+@pytest.mark.heavy
 def test_samples_of_every_prompt_are_written_in_batches(setup):
     """samples=2: P x 2 turns, prompt-major, each its prompt then a sampled answer; two samples of one prompt differ
     (rows of one batch draw independently); max_rows bounds a batch without changing what the turns are made of."""

@@ -196,6 +196,7 @@ def test_conversion_reads_one_parameter_at_a_time():
     assert [p for k, p in events if k == "place"] == list(shapes)
 
 
+@pytest.mark.heavy
 def test_hf_folders_convert_onto_meshes(hf_folders):
     """Every model onto each mesh its KV heads allow: layouts, values, bytes per device, logits; Qwen2.5-7B's 4 KV
     heads refuse tensor=8 with MeshError."""
@@ -207,6 +208,7 @@ def test_hf_folders_convert_onto_meshes(hf_folders):
             assert f"ok {name} refuses {refused}" in out
 
 
+@pytest.mark.heavy
 def test_orbax_checkpoint_restores_across_meshes(hf_folders, tmp_path):
     """`convert --mesh 1,1,4 --dtype bfloat16` (orbax save from sharded params), restored into (2,1,2), (1,1,8) and
     one device; a float32 save from (2,1,4) restored into (1,1,2)."""

@@ -21,6 +21,7 @@ from tests.conftest import simulated_devices_flags
 MESHES = ("8,1,1", "1,1,4", "2,1,4", "1,2,4", "2,2,2")
 
 
+@pytest.mark.heavy
 def test_sharded_runs_equal_one_device():
     """Per mesh: prefill logits, KVzip scores and 16 greedy decode steps over the masked cache within 1e-5 of the
     unsharded run, kept masks bit-identical, every output's sharding the rules', parameter bytes per device about
