@@ -12,7 +12,8 @@ demo: $(VENV)/.installed
 # Two tiers (docs/testing.md), budgets on a clean clone with 2 cores:
 #   make test-fast  the inner loop, at most 5 minutes: tests on tiny random models only. It leaves out every test marked
 #                   real_model (tests/conftest.py sets the mark on each test that uses a bundled model's GGUF; the
-#                   bundled models are then not converted either), besides quality48 and extended.
+#                   bundled models are then not converted either) or heavy (a tiny-model check of several seconds whose
+#                   path a quicker test walks too: docs/testing.md), besides quality48 and extended.
 #   make test       the whole default suite, at most 20 minutes: real_model tests included.
 # Test files run in TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process, so its module fixtures
 # load once); tests/conftest.py prints each worker's peak resident memory and fails the run above 6 GB. XLA compiles
