@@ -8,6 +8,9 @@ per variant: questions right per task, and the mean log-probability of the refer
 forced), a finer signal than right or wrong.
 
     python studies/kv_quant_after_eviction/probe.py [SECTION ...] > studies/kv_quant_after_eviction/results.txt
+    python studies/kv_quant_after_eviction/probe.py k8v4 --tasks kv_retrieval --first 6 > .../results-k8v4.txt
+
+--first N takes the contexts N..N+5 of each task (a generated example is the same whatever the count drawn).
 """
 
 from __future__ import annotations
@@ -150,11 +153,20 @@ def spared_pairs(cache: kv.KVCache, scores: jax.Array, prefix_len, context_len, 
     return out
 
 
-SECTIONS = ("parts", "pairs", "groups", "centre", "scale", "fixes", "layers")
+SECTIONS = ("parts", "pairs", "groups", "centre", "scale", "fixes", "layers", "k8v4")
 
 
-def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
-    sections = sections or SECTIONS
+def main(*argv: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
+    sections, first, tasks_run = [], 0, TASKS
+    args = iter(argv)
+    for a in args:
+        if a == "--first":
+            first = int(next(args))
+        elif a == "--tasks":
+            tasks_run = tuple(next(args).split(","))
+        else:
+            sections.append(a)
+    sections = tuple(sections) or SECTIONS[:-1]
     if set(sections) - set(SECTIONS):
         raise SystemExit(f"sections: {', '.join(SECTIONS)}")
     model = registry.load(name)
@@ -166,8 +178,8 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
         f"{RATIO}"
     )
     data = {}
-    for task in TASKS:
-        examples = tasks.generate(task, CONTEXTS, 0, TOKENS)
+    for task in tasks_run:
+        examples = tasks.generate(task, first + CONTEXTS, 0, TOKENS)[first:]
         split = [
             prompts.split_for_reuse(tok, ex.context, list(ex.questions), instruction=prompts.KVZIP_INSTRUCTION)
             for ex in examples
@@ -192,7 +204,8 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
             refs=refs,
         )
         print(
-            f"{task}: {CONTEXTS} contexts of {int(context_len.min())}-{int(context_len.max())} context tokens, "
+            f"{task}: contexts {first}-{first + CONTEXTS - 1}, of {int(context_len.min())}-{int(context_len.max())} "
+            "context tokens, "
             f"{sum(len(ex.questions) for ex in examples)} questions"
         )
 
@@ -224,7 +237,7 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
 
     def run(label: str, recipe: Quant | None, base: str = "masked", greedy: bool = True) -> dict:
         start, row = time.perf_counter(), {}
-        for task in TASKS:
+        for task in tasks_run:
             d = data[task]
             cache = d[base]
             if recipe is not None:
@@ -246,7 +259,7 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
     run("full cache, int4", Quant(), "full")
     base = run("KVzip 0.3, 16 bits", None)
     worst = run("KVzip 0.3 + int4 (keys and values)", Quant())
-    for task in TASKS:  # the library's own quantized cache gives the same answers as the fake-quantized one
+    for task in tasks_run:  # the library's own quantized cache gives the same answers as the fake-quantized one
         d = data[task]
         lib = answers(task, kv.quantized(d["masked"], INT4))
         same = sum(a == b for a, b in zip(lib[2], worst[task][2]))
@@ -254,7 +267,7 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
             f"  check, {task}: the library's kv.quantized answers {int(lib[0].sum())}/{len(lib[0])}, "
             f"{same}/{len(lib[2])} answers the same as the fake-quantized cache's"
         )
-    for task in TASKS:
+    for task in tasks_run:
         for (r0, _, p0), (r1, _, p1) in [(base[task], worst[task])]:
             lost = [f"{p1[j]!r} for {p0[j]!r}" for j in range(len(p0)) if r0[j] and not r1[j]]
             print(f"  {task}, answers int4 loses: {'; '.join(lost[:8])}")
@@ -273,6 +286,8 @@ def main(*sections: str, name: str = "qwen2.5-coder-0.5b-instruct") -> None:
         fixes(run)
     if "layers" in sections:
         layers(run, cfg.num_layers)
+    if "k8v4" in sections:
+        k8v4(run)
 
 
 def parts(run) -> None:
@@ -331,6 +346,18 @@ def fixes(run) -> None:
         "keys in groups of 16 and int8 in layer 0",
         Quant(keys=quant.QuantFormat(bits=4, group=16), int8_key_layers=(0,)),
     )
+
+
+def k8v4(run) -> None:
+    print("\n# int8 keys with int4 values, against int4 in groups of 16 (the library's int4 now)")
+    g16 = quant.QuantFormat(bits=4, group=16)
+    run("full cache, int4 in groups of 16", Quant(keys=g16, values=g16), "full")
+    run("KVzip 0.3 + int4 in groups of 16", Quant(keys=g16, values=g16))
+    run(
+        "KVzip 0.3 + int8 keys, int4 values in groups of 16",
+        Quant(keys=quant.QuantFormat(bits=8, group=64), values=g16),
+    )
+    run("KVzip 0.3 + int8 keys, int4 values in groups of 64", Quant(keys=quant.QuantFormat(bits=8, group=64)))
 
 
 def layers(run, num_layers: int) -> None:
