@@ -12,8 +12,8 @@ nothing that loads):
                         window_v, window_lengths, and key_center where its keys are centred; next_position
   <dir>/manifest.json   written last: format and layout version, package version, the model's identity (config hash,
                         parameter fingerprint, name and where it was loaded from), the tokenizer's hash, the dtype,
-                        each layer's kind and shapes (a quantized layer: its store's kind, bits, group, scale dtype
-                        and window), a sha256 per array (orbax keeps no checksum), and the caller's
+                        each layer's kind and shapes (a quantized layer: its store's kind, key and value bits,
+                        groups, scale dtype and window), a sha256 per array (orbax keeps no checksum), and the caller's
                         meta (method, level, ratio, prefix and context token hashes and lengths)
 
 `load` checks, in order: a manifest exists (CacheCorruptError: not a saved cache, or a save that never finished),
@@ -37,8 +37,8 @@ from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights.checkpoint import atomic_dir
 from kvzip_jax.weights.identity import model_identity, package_version, tokenizer_hash
 
-FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 3  # 2: quantized layers; 3: centred keys (a cache is written as the
-# lowest version that holds it)
+FORMAT, LAYOUT_VERSION = "kvzip-jax-cache", 4  # 2: quantized layers; 3: centred keys; 4: values in other bits than
+# keys (k8v4). A cache is written as the lowest version that holds it.
 ARRAYS, MANIFEST = "arrays", "manifest.json"
 DENSE, RAGGED, QUANTIZED = "dense", "ragged", "quantized"
 QUANT_FIELDS = ("codes", "scale", "zero")
@@ -169,8 +169,11 @@ def load(directory: str | Path, model) -> tuple[kv.KVCache, dict]:
 
 
 def _layout_version(cache: kv.KVCache) -> int:
-    """The lowest layout version that holds cache: 1 unquantized, 2 quantized, 3 with centred keys."""
+    """The lowest layout version that holds cache: 1 unquantized, 2 quantized, 3 with centred keys, 4 with values in
+    other bits than keys."""
     quantized = [layer for layer in cache.layers if isinstance(layer, kv.QuantizedLayerCache)]
+    if any(layer.store.k.bits != layer.store.v.bits for layer in quantized):
+        return 4
     if any(layer.key_center is not None for layer in quantized):
         return 3
     return 2 if quantized else 1
@@ -211,6 +214,7 @@ def _layer_layout(layer) -> dict:
             "store": store,
             "block": getattr(layer.store, "block", None),
             "bits": fmt.bits,
+            "v_bits": layer.store.v.bits,  # k8v4: int8 keys, int4 values
             "group": fmt.group,
             "v_group": layer.store.v.format.group,  # they differ where k and v do (MLA)
             "scale_dtype": fmt.scale_dtype,
@@ -251,10 +255,9 @@ def _cache(tree: dict, manifest: dict) -> kv.KVCache:
 
 def _layer(fields: dict, layout: dict):
     if layout["kind"] == QUANTIZED:
+        bits = {"k": layout["bits"], "v": layout.get("v_bits", layout["bits"])}  # layouts 2-3: one width
         for name in ("k", "v"):
-            fields[name] = quant.Quantized(
-                *(fields.pop(f"{name}_{part}") for part in QUANT_FIELDS), bits=layout["bits"]
-            )
+            fields[name] = quant.Quantized(*(fields.pop(f"{name}_{part}") for part in QUANT_FIELDS), bits=bits[name])
         window = kv.LayerCache(k=fields.pop("window_k"), v=fields.pop("window_v"), lengths=fields.pop("window_lengths"))
         key_center = fields.pop("key_center", None)
         return kv.QuantizedLayerCache(

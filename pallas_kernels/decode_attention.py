@@ -25,7 +25,9 @@ def _check_inputs(q, k, v, lengths, keep, num_tokens, bias=None) -> None:
     if isinstance(k, qrows.QuantizedRows) or isinstance(v, qrows.QuantizedRows):
         if not (isinstance(k, qrows.QuantizedRows) and isinstance(v, qrows.QuantizedRows)):
             raise KernelInputError("k and v must both be arrays or both be QuantizedRows")
-        qrows.bits_of(k, q.shape[-1])
+        if k.codes.shape[:3] != v.codes.shape[:3]:
+            raise KernelInputError(f"v codes {v.codes.shape} must hold k's slots {k.codes.shape[:3]}")
+        qrows.bits_of(k, q.shape[-1])  # keys and values may differ in bits and groups (k8v4)
         qrows.bits_of(v, q.shape[-1])
         k = v = jax.ShapeDtypeStruct(k.codes.shape[:3] + (q.shape[-1],), jnp.float32)  # the rows they stand for
     if q.ndim != 4 or k.ndim != 4:
@@ -63,7 +65,8 @@ def decode_attention(
 
     Args:
       q: [B, K, M, H] query rows per KV head, any float dtype; M = G T, row r = g T + t.
-      k, v: [B, K, C, H] dense cache (bfloat16 or float32), or both QuantizedRows of [B, K, C, .] (ragged_decode's);
+      k, v: [B, K, C, H] dense cache (bfloat16 or float32), or both QuantizedRows of [B, K, C, .] (ragged_decode's,
+        each in its own bits and groups);
         slots >= lengths may hold anything (NaN).
       lengths: [B, K] integer filled slots per head, clipped to [0, C]; the T new tokens are the last ones written.
       keep: [B, K, C] bool or None; False slots are invisible (a masked compressed cache).

@@ -14,7 +14,8 @@ length and loops over blocks of block_k keys of its split only, with an online s
 results are merged in jnp afterwards.
 
 Keys and values may be group-quantized (int8, or int4 two per byte: quantized_rows.QuantizedRows): each block is
-dequantized inside the kernel, group by group, so the store is read at its quantized size.
+dequantized inside the kernel, group by group, so the store is read at its quantized size; keys and values may
+differ in bits and groups (int8 keys beside int4 values).
 
 Empty softmax (zero-length segment, or every key hidden by the causal bound or the bias): out = 0 and
 lse = MASK_VALUE (finite, so merging it with another segment's (out, lse) gives that segment's result exactly).
@@ -58,10 +59,11 @@ def _check_inputs(q, k, v, offsets, lengths, bias, num_tokens) -> None:
     """Raise KernelInputError on inconsistent shapes (see ragged_decode)."""
     if isinstance(k, qrows.QuantizedRows) != isinstance(v, qrows.QuantizedRows):
         raise KernelInputError("k and v must both be arrays or both be QuantizedRows")
-    if isinstance(k, qrows.QuantizedRows):
-        if [x.shape for x in k] != [x.shape for x in v]:
-            raise KernelInputError(f"v {[x.shape for x in v]} must have k's shapes {[x.shape for x in k]}")
+    if isinstance(k, qrows.QuantizedRows):  # keys and values may differ in bits and groups (k8v4)
+        if k.codes.shape[:-1] != v.codes.shape[:-1]:
+            raise KernelInputError(f"v codes {v.codes.shape} must hold k's slots {k.codes.shape[:-1]}")
         qrows.bits_of(k, q.shape[-1])
+        qrows.bits_of(v, q.shape[-1])
         k_shape = k.codes.shape[:2] + (q.shape[-1],)
     else:
         k_shape = k.shape
@@ -101,7 +103,8 @@ def ragged_decode(
     Args:
       q: [B, K, M, H] query rows per KV head, any float dtype; M = G T, row r = g T + t.
       k, v: [B, S, H] the flat store (bfloat16 or float32), or both QuantizedRows (codes [B, S, H] int8 or
-        [B, S, H / 2] packed int4, scale and zero [B, S, N]). Slots outside every segment may hold anything (NaN).
+        [B, S, H / 2] packed int4, scale and zero [B, S, N]; keys and values each in their own bits and groups).
+        Slots outside every segment may hold anything (NaN).
       offsets, lengths: [B, K] integer: head k of row b owns slots [offsets, offsets + lengths); lengths may be 0;
         offsets + lengths <= S.
       bias: [B, S] float32 additive logit bias per slot, or None; -inf hides a slot.
@@ -125,12 +128,13 @@ def ragged_decode(
         num_splits = default_num_splits(q.shape[0], q.shape[1])
     if num_splits < 1:
         raise KernelInputError(f"num_splits must be >= 1, got {num_splits}")
-    parts, order = None, None
-    if isinstance(k, qrows.QuantizedRows):  # the kernel works in the parts' column order (quantized_rows.py)
-        groups, bits = k.scale.shape[-1], qrows.bits_of(k, head_dim)
-        parts = qrows.parts(head_dim, groups, bits)
-        order = qrows.column_order(head_dim, groups, bits)
-        q = q[..., order]
+    parts, out_order = None, None
+    if isinstance(k, qrows.QuantizedRows):  # the kernel works in the parts' column orders (quantized_rows.py): the
+        # queries in the keys', the outputs in the values'
+        layout = lambda rows: (rows.scale.shape[-1], qrows.bits_of(rows, head_dim))  # (groups, bits)
+        parts = (qrows.parts(head_dim, *layout(k)), qrows.parts(head_dim, *layout(v)))
+        q = q[..., qrows.column_order(head_dim, *layout(k))]
+        out_order = qrows.column_order(head_dim, *layout(v))
     out, lse = _ragged_decode_pallas(
         q,
         tuple(k) if parts else (k,),
@@ -145,15 +149,16 @@ def ragged_decode(
         interpret=interpret_mode(),
         parts=parts,
     )
-    return (out, lse) if order is None else (out[..., np.argsort(order)], lse)
+    return (out, lse) if out_order is None else (out[..., np.argsort(out_order)], lse)
 
 
 def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, has_bias):
     """One (b, k, split) program: online softmax over the split's key blocks of head k's segment.
 
     Refs: q [Mp, H]; k, v each [S, H] (the whole store row, read block by block) or, quantized, (codes, scale,
-    zero) with `parts` their static column parts; off, len [] int32; optional bias [S]; outputs o [Mp, H]
-    (unnormalised), l [Mp] (sum of exp), m [Mp] (running max), all float32.
+    zero) with `parts` = (the keys' static column parts, the values'); off, len [] int32; optional bias [S];
+    outputs o [Mp, H] (unnormalised, in the values' column order), l [Mp] (sum of exp), m [Mp] (running max), all
+    float32.
     """
     per_store = 3 if parts else 1
     q_ref = refs[0]
@@ -171,11 +176,12 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
     num_blocks = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
 
     rows, head_dim = q_ref.shape
-    if parts:  # dequantized float32 parts: the queries' matching columns, loaded once
-        q_parts = [q_ref[:, pl.ds(part.column, part.width)].astype(jnp.float32) for part in parts]
+    if parts:  # dequantized float32 parts: the queries' columns matching the keys' parts, loaded once
+        k_parts, v_parts = parts
+        q_parts = [q_ref[:, pl.ds(part.column, part.width)].astype(jnp.float32) for part in k_parts]
     else:
         q_parts = [q_ref[...].astype(jnp.promote_types(q_ref.dtype, k_refs[0].dtype))]  # [Mp, H]
-        parts = (qrows.Part(0, head_dim, 0, None, 0),)
+        k_parts = v_parts = (qrows.Part(0, head_dim, 0, None, 0),)
     # Query row r is token t = r % T, which sees local keys below length - (T - 1 - t).
     row_limit = length - (num_tokens - 1 - jnp.arange(rows, dtype=jnp.int32) % num_tokens)  # [Mp]
 
@@ -191,7 +197,7 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
 
         logits = scale * sum(
             kernel_dot(q_part, load(k_refs, start, part, q_part.dtype), transpose_b=True)
-            for q_part, part in zip(q_parts, parts)
+            for q_part, part in zip(q_parts, k_parts)
         )  # [Mp, block_k]
         if bias_ref is not None:
             logits = logits + bias_ref[pl.ds(start, block_k)][None, :]
@@ -202,7 +208,7 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
         # Slots outside the segment may hold NaN, and 0 * NaN = NaN: zero them before p @ v.
         v_blks = [
             jnp.where(key_in[:, None], load(v_refs, start, part, jnp.float32), 0.0)  # [block_k, width]
-            for part in parts
+            for part in v_parts
         ]
         l_next = correction * l_prev + p.sum(axis=1)
         acc_next = tuple(correction[:, None] * acc + kernel_dot(p, v_blk) for acc, v_blk in zip(acc_prev, v_blks))
@@ -216,10 +222,10 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
     init = (
         jnp.full((rows,), MASK_VALUE, jnp.float32),  # m [Mp]
         jnp.zeros((rows,), jnp.float32),  # l [Mp]
-        tuple(jnp.zeros((rows, part.width), jnp.float32) for part in parts),  # acc [Mp, width] per part
+        tuple(jnp.zeros((rows, part.width), jnp.float32) for part in v_parts),  # acc [Mp, width] per value part
     )
     m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    for part, acc_part in zip(parts, acc):
+    for part, acc_part in zip(v_parts, acc):
         o_ref[:, pl.ds(part.column, part.width)] = acc_part
     l_ref[...] = l
     m_ref[...] = m
@@ -228,7 +234,8 @@ def _ragged_decode_kernel(*refs, scale, num_tokens, block_k, num_splits, parts, 
 @functools.partial(jax.jit, static_argnames=("scale", "num_tokens", "block_k", "num_splits", "interpret", "parts"))
 def _ragged_decode_pallas(q, k, v, offsets, lengths, bias, *, scale, num_tokens, block_k, num_splits, interpret, parts):
     """The pallas_call and the merge of its splits; arguments as ragged_decode's, already checked, with k and v
-    tuples of store arrays [B, S, .] (one, or the quantized triple with its static parts)."""
+    tuples of store arrays [B, S, .] (one, or the quantized triple) and parts None or (the keys' static column
+    parts, the values')."""
     batch, kv_heads, rows, head_dim = q.shape
     padded_rows = max(16, next_power_of_two(rows))
     q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, K, Mp, H]

@@ -30,7 +30,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def caches(restored):
     """{form: cache} of the CONTEXT at ratio 0.5: KVzip masked, the same packed ragged, AM-compacted ragged, and
-    quantized: the ragged one in int4 with uncentred keys, the compacted one (dense, with its bias) in int8."""
+    quantized: the ragged one in int4 with uncentred keys, the compacted one (dense, with its bias) in int8, the
+    masked one in int8 keys beside int4 values."""
     context, suffixes = prompts.split_for_reuse(restored.tokenizer, CONTEXT, [QUESTION])
     _, cache = gen.prefill(restored.params, restored.cfg, [context.ids()])
     reread = kvzip.reread_inputs(restored.tokenizer, [context.context_start], [context.ids()[context.context_slice]])
@@ -45,6 +46,7 @@ def caches(restored):
         "compacted": kv.pack(compacted, 64),
         "ragged-int4": kv.quantized(kv.pack(masked, 64), int4, window=32, center=False),
         "compacted-int8": kv.quantized(compacted, int8),
+        "masked-k8v4": kv.quantized(masked, QuantFormat(bits=8), value_fmt=QuantFormat(bits=4)),
     }, suffixes[0]
 
 
@@ -79,6 +81,8 @@ def test_save_then_load_in_a_new_process_answers_token_for_token(
             assert layout["kind"] == "ragged" and manifest["layout_version"] == 1
         elif form == "compacted-int8":  # centred keys: their centres saved beside the store
             assert "key_center" in layout["fields"] and manifest["layout_version"] == 3
+        elif form == "masked-k8v4":  # values in other bits than keys
+            assert (layout["bits"], layout["v_bits"], manifest["layout_version"]) == (8, 4, 4)
         if form == "ragged":  # a new process answers from it; the others' arrays (int4 too) are checked here
             want[form] = _answer(restored, jax.tree.map(jnp.copy, cache), suffix)
     script = textwrap.dedent(f"""

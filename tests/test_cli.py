@@ -404,12 +404,18 @@ def test_compress_draws_what_was_kept(capsys, tiny, context_file, tmp_path):
 
 
 def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_file):
-    """--kv-bits 8 / 4 quantize the compressed cache: the same kept pairs, fewer bytes (int4 fewer than int8), an
-    answer either way; centred keys (the default; --no-kv-center) add their centres' bytes; a group that does not
-    split the head dim is a usage error."""
+    """--kv-bits 8 / 4 / 8/4 quantize the compressed cache: the same kept pairs, fewer bytes (int4 fewer than int8,
+    int8 keys beside int4 values between them), an answer either way; centred keys (the default; --no-kv-center) add
+    their centres' bytes; a group that does not split the head dim is a usage error."""
     used = {}
     uncentred = ["--no-kv-center"]
-    for name, bits, flags in (("16", "16", []), ("8", "8", uncentred), ("4", "4", uncentred), ("4-centred", "4", [])):
+    for name, bits, flags in (
+        ("16", "16", []),
+        ("8", "8", uncentred),
+        ("4", "4", uncentred),
+        ("8/4", "8/4", uncentred),
+        ("4-centred", "4", []),
+    ):
         argv = [
             "compress",
             "--model",
@@ -433,11 +439,12 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
         line = next(line for line in out.splitlines() if line.startswith("KV cache bytes: compressed"))
-        assert ("int" + bits) in line if bits != "16" else "int" not in line
+        layout = {"16": "ragged, room", "8/4": "int8 keys in groups of 4, int4 values in groups of 4"}
+        assert layout.get(bits, f"int{bits} in groups of 4") in line
         used[name] = int(line.split()[4].replace(",", ""))
         assert out.count("\nA: ") == 1
-    # head dim 8, float32: 64 bytes per pair; int8 with groups of 4: 2 x (8 + 2 x 2 x 2) = 32; int4: 24
-    assert used["16"] / 64 == used["8"] / 32 == used["4"] / 24
+    # head dim 8, float32: 64 bytes per pair; int8 with groups of 4: 2 x (8 + 2 x 2 x 2) = 32; int4: 24; 8/4: 28
+    assert used["16"] / 64 == used["8"] / 32 == used["4"] / 24 == used["8/4"] / 28
     assert used["4-centred"] - used["4"] == 2 * 2 * 8 * 2  # layers x KV heads x head dim, bf16
     with pytest.raises(SystemExit) as exit_info:
         cli.main(
@@ -461,8 +468,8 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
 
 
 def test_a_saved_cache_is_quantized_on_ask_or_asked_as_saved(capsys, tiny, context_file, tmp_path):
-    """ask --kv-bits quantizes a saved unquantized cache on load; a cache saved with --kv-bits 4 is asked as saved
-    (its format in the manifest), and asking it at another width is a usage error."""
+    """ask --kv-bits quantizes a saved unquantized cache on load; a cache saved with --kv-bits 4 or 8/4 is asked as
+    saved (its format in the manifest), and asking it at another width is a usage error."""
     from kvzip_jax import cache_io
 
     base = [
@@ -485,6 +492,7 @@ def test_a_saved_cache_is_quantized_on_ask_or_asked_as_saved(capsys, tiny, conte
     ]
     assert cli.main(base + [str(tmp_path / "doc.kv")]) == 0
     assert cli.main(base + [str(tmp_path / "doc4.kv"), "--kv-bits", "4"]) == 0
+    assert cli.main(base + [str(tmp_path / "doc84.kv"), "--kv-bits", "8/4"]) == 0
     capsys.readouterr()
     ask = lambda name, *flags: cli.main(
         ["ask", "--cache", str(tmp_path / name), "--question", QUESTION, "--max-new-tokens", "4", *flags]
@@ -500,3 +508,14 @@ def test_a_saved_cache_is_quantized_on_ask_or_asked_as_saved(capsys, tiny, conte
     with pytest.raises(SystemExit) as exit_info:
         ask("doc4.kv", "--kv-bits", "8")
     assert exit_info.value.code == cli.EXIT_USER_ERROR and "saved with --kv-bits 4" in capsys.readouterr().err
+    manifest = cache_io.read_manifest(tmp_path / "doc84.kv")  # values in other bits than keys: layout 4
+    assert (manifest["layers"][0]["bits"], manifest["layers"][0]["v_bits"], manifest["layout_version"]) == (8, 4, 4)
+    assert ask("doc84.kv") == 0
+    out = capsys.readouterr().out
+    assert ", k8v4, " in out and out.count("\nA: ") == 1
+    with pytest.raises(SystemExit) as exit_info:
+        ask("doc84.kv", "--kv-bits", "4")
+    assert exit_info.value.code == cli.EXIT_USER_ERROR and "saved with --kv-bits 8/4" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        ask("doc.kv", "--kv-bits", "4/8")
+    assert exit_info.value.code == cli.EXIT_USER_ERROR and "8/4 (int8 keys, int4 values)" in capsys.readouterr().err

@@ -433,16 +433,23 @@ def test_kv_bits_quantize_every_cache_and_the_report_plots_score_against_bytes(m
         same = at("kvzip", 1.0, 4)
         assert (same["prediction"], same["kl"], same["bytes"]) == (full4["prediction"], full4["kl"], full4["bytes"])
 
-    grown = dataclasses.replace(config, kv_bits=(16, 8, 4))
+    grown = dataclasses.replace(config, kv_bits=(16, 8, 4, "8/4"))
     sw.run_sweep(model, examples(), grown, path, progress=False)
     added = set(_by_key(path)) - set(got)
-    assert added and all(key[-1] == 8 for key in added)
+    assert added and {key[-1] for key in added} == {8, "8/4"}
+    grown_records = _by_key(path)
+    for e, i in questions:  # int8 keys beside int4 values: an int8 key (12 bytes) and an int4 value (8) a pair
+        assert (
+            grown_records["toy", e, "full", "full", 1.0, i, "8/4"]["bytes"] * 64
+            == got["toy", e, "full", "full", 1.0, i, 16]["bytes"] * 20
+        )
 
     written = report.write_report(path, tmp_path / "report")
     assert written["pareto"].stat().st_size > 0
     rows = report.summarize(report.read_records(path))
     shares = {(r["method"], r["ratio"]): r["bytes_share"] for r in rows}
     assert shares["full", 1.0] == 100.0 and shares["int4", 1.0] == 25.0 and shares["int8", 1.0] == 37.5
+    assert shares["k8v4", 1.0] == 31.25 and ("kvzip+k8v4", 0.5) in shares
     assert shares["kvzip+int4", 0.5] == pytest.approx(shares["kvzip", 0.5] / 4)
     assert "## Bytes of the kept pairs" in written["markdown"].read_text()
     with pytest.raises(ValueError, match="kv_bits"):

@@ -1,5 +1,6 @@
 """The decode kernels over int8 / packed int4 keys and values (pallas_kernels.QuantizedRows), in interpret mode,
-against their jnp oracles: odd lengths, an empty head, a bias, several tokens and splits; the kernels' reading of the
+against their jnp oracles: odd lengths, an empty head, a bias, several tokens and splits, int8 keys beside int4
+values; the kernels' reading of the
 format equals kvzip_jax.quant's; and both kernels lower to Triton for CUDA."""
 
 from __future__ import annotations
@@ -66,6 +67,32 @@ def test_quantized_ragged_decode_matches_its_oracle(bits, group, head_dim, num_t
     np.testing.assert_array_equal(lse[0, 2], MASK_VALUE)
 
 
+@pytest.mark.parametrize("num_splits,with_bias", [(1, False), (2, True)])
+def test_int8_keys_beside_int4_values_match_the_oracle(num_splits, with_bias):
+    """k8v4: the keys' parts (int8, groups of 16) order the queries and the logits; the values' (int4, groups of 8)
+    order the output; both decode kernels give their oracles' results."""
+    rng = np.random.default_rng(84 + num_splits)
+    used = _used_slots(OFFSETS, LENGTHS, STORE_SLOTS)
+    k = _rows(rng.normal(size=(2, STORE_SLOTS, 32)), 8, 16, used)
+    v = _rows(rng.normal(size=(2, STORE_SLOTS, 32)), 4, 8, used)
+    q = _query(rng, 6, 32)
+    args = (q, k, v, jnp.asarray(OFFSETS), jnp.asarray(LENGTHS), _bias(rng) if with_bias else None)
+    out, lse = ragged_decode(*args, scale=0.2, num_tokens=2, impl="pallas", block_k=BLOCK, num_splits=num_splits)
+    want_out, want_lse = ragged_decode_reference(*args, scale=0.2, num_tokens=2)
+    np.testing.assert_allclose(out, want_out, **TOL)
+    np.testing.assert_allclose(lse, want_lse, **TOL)
+    B, K, C, H = 2, 3, 24, 32
+    lengths = jnp.asarray([[0, 13, 24], [5, 17, 1]], jnp.int32)
+    dense_k = _rows(rng.normal(size=(B, K, C, H)), 8, 32)
+    dense_v = _rows(rng.normal(size=(B, K, C, H)), 4, 16)
+    q = _query(rng, 2, H, batch=B, kv_heads=K)
+    keep = jnp.asarray(rng.random((B, K, C)) < 0.6)
+    got = decode_attention(q, dense_k, dense_v, lengths, keep, scale=0.2, impl="pallas", block_k=16, num_splits=2)
+    want = decode_attention_reference(q, dense_k, dense_v, lengths, keep, scale=0.2)
+    np.testing.assert_allclose(got[0], want[0], **TOL)
+    np.testing.assert_allclose(got[1], want[1], **TOL)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_the_oracle_reads_the_format_as_quant_writes_it(bits):
     """pallas_kernels dequantizes without importing kvzip_jax: both readings of the same rows agree exactly, and the
@@ -113,15 +140,30 @@ def test_quantized_inputs_are_checked():
     with pytest.raises(KernelInputError, match="scale"):
         bad = QuantizedRows(rows.codes, rows.scale[:, :-1], rows.zero)
         ragged_decode(q, bad, bad, *args, scale=1.0)
+    with pytest.raises(KernelInputError, match="slots"):
+        fewer = QuantizedRows(*(x[:, :-1] for x in rows))
+        ragged_decode(q, rows, fewer, *args, scale=1.0)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, "8/4"])
 def test_quantized_kernel_lowers_to_triton(bits):
     """The quantized ragged kernel lowers to a Triton custom call for CUDA at model shapes (H = 64 and 128, group
-    64, 32 and int4's default 16, whose parts are 8 columns wide): the in-kernel loads, nibble shifts and per-part
-    float32 dots are all Triton-expressible."""
+    64, 32 and int4's default 16, whose parts are 8 columns wide; "8/4": int8 keys in groups of 64 beside int4
+    values in the group named): the in-kernel loads, nibble shifts and per-part float32 dots are all
+    Triton-expressible."""
     for head_dim, group in [(64, 64), (128, 32), (64, 16), (128, 16)]:
-        width, groups = head_dim if bits == 8 else head_dim // 2, head_dim // group
+        key_bits, value_bits = (8, 4) if bits == "8/4" else (bits, bits)
+        key_group = 64 if bits == "8/4" else group
+
+        def store(bits, group):
+            width, groups = head_dim if bits == 8 else head_dim // 2, head_dim // group
+            return (
+                jax.ShapeDtypeStruct((2, 777, width), jnp.uint8),
+                jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16),
+                jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16),
+            ), parts_of(head_dim, head_dim // group, bits)
+
+        (keys, key_parts), (values, value_parts) = store(key_bits, key_group), store(value_bits, group)
         decode = functools.partial(
             _ragged_decode_pallas,
             scale=0.125,
@@ -129,17 +171,12 @@ def test_quantized_kernel_lowers_to_triton(bits):
             block_k=64,
             num_splits=4,
             interpret=False,
-            parts=parts_of(head_dim, groups, bits),
-        )
-        store = (
-            jax.ShapeDtypeStruct((2, 777, width), jnp.uint8),
-            jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16),
-            jax.ShapeDtypeStruct((2, 777, groups), jnp.bfloat16),
+            parts=(key_parts, value_parts),
         )
         per_head = jax.ShapeDtypeStruct((2, 3), jnp.int32)
         text = (
             jax.jit(decode)
-            .trace(jax.ShapeDtypeStruct((2, 3, 7, head_dim), jnp.bfloat16), store, store, per_head, per_head, None)
+            .trace(jax.ShapeDtypeStruct((2, 3, 7, head_dim), jnp.bfloat16), keys, values, per_head, per_head, None)
             .lower(lowering_platforms=("cuda",))
             .as_text()
         )

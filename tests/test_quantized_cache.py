@@ -132,6 +132,35 @@ def test_attention_over_store_and_window_equals_dense_attention(ragged, bits):
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("form", ["masked", pytest.param("ragged-compacted", marks=pytest.mark.heavy)])
+def test_int8_keys_beside_int4_values_attend_flush_and_count_in_their_own_formats(form):
+    """k8v4 (quant.kv_formats("8/4")): int8 keys beside int4 values attend as their dequantized twin; a flush writes
+    each in its own format, within its bound; a pair costs the mean of an int8 and an int4 pair."""
+    keys, values = quant.kv_formats("8/4", group=4)
+    cache = kv.quantized(_form(form), keys, window=16, value_fmt=values)
+    store = cache.layers[0].store
+    assert (store.k.format, store.v.format) == (keys, values) and (keys.bits, values.bits) == (8, 4)
+    int8, int4 = (kv.quantized(_form(form), fmt, window=16) for fmt in (keys, values))
+    assert 2 * kv.used_bytes(cache) == kv.used_bytes(int8) + kv.used_bytes(int4)
+    answer_alike(cache, copied(_dequantized_twin(cache)), 6, atol=1e-5)
+
+    layer = kv.quantized(_form(form), keys, window=4, value_fmt=values).layers[0]
+    start = np.asarray(layer.store.lengths)
+    new = jnp.asarray(np.random.default_rng(2).normal(size=(1, CFG.num_kv_heads, 9, CFG.head_dim)), jnp.float32)
+    layer = jax.jit(kv.write)(layer, new, -new, jnp.array([9]))
+    assert (layer.store.k.format, layer.store.v.format) == (keys, values)
+    np.testing.assert_array_equal(np.asarray(layer.store.lengths), start + 8)  # all but the last of 9 in a window of 4
+    for h in range(CFG.num_kv_heads):
+        slots = (
+            slice(int(layer.store.offsets[0, h] + start[0, h]), None)
+            if isinstance(layer.store, kv.RaggedLayerCache)
+            else (h, slice(int(start[0, h]), None))
+        )
+        stored = jax.tree.map(lambda a: a[0][slots][:8], layer.store.v)  # [8, H]
+        error = np.abs(np.asarray(quant.dequantize(stored)) - -np.asarray(new[0, h, :8]))
+        assert np.all(error <= np.asarray(quant.error_bound(stored)) + 1e-5)
+
+
 @pytest.mark.parametrize("form,center", [("dense", True), ("ragged", True), ("ragged", False)])
 def test_the_window_flushes_all_but_its_last_rows_into_the_store(form, center):
     """Writes of 3, 6, 1 and 9 tokens into a window of 4: after n tokens in [window | new], all but

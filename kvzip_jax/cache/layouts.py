@@ -61,7 +61,8 @@ class QuantizedLayerCache:
     """A layer whose stored pairs are quantized, and a full-precision window where new tokens are written.
 
     store: a dense, masked, compacted or ragged layer whose k and v are quant.Quantized rows (per token and KV head,
-    groups along the head dim); its lengths, keep mask, offsets and float32 bias are those of the unquantized form.
+    groups along the head dim; keys and values may differ in bits and group); its lengths, keep mask, offsets and
+    float32 bias are those of the unquantized form.
     window: a dense LayerCache [B, K, R, H] in the model's dtype. Head k's window row j is its slot
     store.lengths + j: the window's tokens come after every stored pair. A write that would overfill the window moves
     all of [window | new tokens] but the last ((n - 1) mod R) + 1 of those n into the store, quantized (n - that is a

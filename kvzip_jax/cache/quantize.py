@@ -1,5 +1,5 @@
-"""Quantizing a cache: every layer's stored pairs in int8 / packed int4 groups (keys centred per channel first),
-beside an empty full-precision window.
+"""Quantizing a cache: every layer's stored keys and values in int8 / packed int4 groups, each in its own format
+(keys centred per channel first), beside an empty full-precision window.
 
 Einsum legend: B batch, K KV heads, C cache capacity (slots), S ragged store slots, W key width.
 """
@@ -16,14 +16,19 @@ from kvzip_jax.quant import groups as quant
 
 
 def quantized(
-    cache: KVCache, fmt: quant.QuantFormat = quant.QuantFormat(), window: int = WINDOW, center: bool = True
+    cache: KVCache,
+    fmt: quant.QuantFormat = quant.QuantFormat(),
+    window: int = WINDOW,
+    center: bool = True,
+    value_fmt: quant.QuantFormat | None = None,
 ) -> KVCache:
-    """The cache with every layer's stored pairs quantized in fmt (per token, groups along the head dim) and an empty
-    full-precision window of `window` tokens per KV head for what is appended next; keep masks, offsets and biases
-    (float32) are kept as they are. center: each head's keys are first centred per channel on the midpoint of their
-    visible pairs' range, rounded to the scale dtype (key_center; exact: attention adds the centre's logit back).
-    Any form (dense, masked, compacted, ragged); jittable."""
-    if fmt.along != "head_dim":
+    """The cache with every layer's stored keys quantized in fmt and its values in value_fmt (None: fmt), per token in
+    groups along the head dim, and an empty full-precision window of `window` tokens per KV head for what is appended
+    next; keep masks, offsets and biases (float32) are kept as they are. center: each head's keys are first centred
+    per channel on the midpoint of their visible pairs' range, rounded to the scale dtype (key_center; exact:
+    attention adds the centre's logit back). Any form (dense, masked, compacted, ragged); jittable."""
+    value_fmt = fmt if value_fmt is None else value_fmt
+    if fmt.along != "head_dim" or value_fmt.along != "head_dim":
         raise ValueError(
             "a cache quantizes its pairs per token (along='head_dim'); per-channel (KIVI) keys need "
             "token groups that flushes of the window would split"
@@ -37,7 +42,7 @@ def quantized(
         copied = jax.tree.map(jnp.copy, dataclasses.replace(layer, k=None, v=None))  # new arrays: donation-safe
         key_center = _key_center(layer).astype(fmt.scale_dtype) if center else None
         keys = layer.k if key_center is None else layer.k - _per_slot(layer, key_center.astype(jnp.float32))
-        store = dataclasses.replace(copied, k=quant.quantize(keys, fmt), v=quant.quantize(layer.v, fmt))
+        store = dataclasses.replace(copied, k=quant.quantize(keys, fmt), v=quant.quantize(layer.v, value_fmt))
         B, K = layer.lengths.shape
         empty = lambda x: jnp.zeros((B, K, window, x.shape[-1]), x.dtype)  # k and v widths (MLA: they differ)
         return QuantizedLayerCache(

@@ -103,8 +103,8 @@ def _write_quantized(layer: QuantizedLayerCache, k_new, v_new, num_new) -> Quant
     keys = both.k if layer.key_center is None else both.k - layer.key_center[:, :, None, :].astype(jnp.float32)
     store = dataclasses.replace(
         store,
-        k=put(store.k, quant.quantize(keys, store.k.format)),  # (MLA: k and v
-        v=put(store.v, quant.quantize(both.v, store.v.format)),  # differ in width)
+        k=put(store.k, quant.quantize(keys, store.k.format)),  # each in its own format (k8v4;
+        v=put(store.v, quant.quantize(both.v, store.v.format)),  # MLA: k and v differ in width)
         lengths=store.lengths + stored,
     )
     rest = jnp.minimum(flushed[..., None] + jnp.arange(R), R + T - 1)  # [B, K, R] rows left in the window

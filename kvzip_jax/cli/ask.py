@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     cache = common.quantized(args, cache)
     what = f"{meta.get('method', '?')} at ratio {meta.get('ratio', '?')}" if meta else "a saved cache"
     bits = common.kv_bits(cache)  # as saved, or quantized on load (--kv-bits)
-    what += f", int{bits}" if bits is not None else ""
+    what += f", {options.kv_label(bits)}" if bits is not None else ""
     context = meta.get("context", {}).get("tokens", "?")
     print(
         f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "

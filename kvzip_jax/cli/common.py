@@ -123,7 +123,7 @@ def quantized(args: argparse.Namespace, cache):
     asked); a usage error for a saved quantized cache asked for another precision."""
     from kvzip_jax import cache as kv
 
-    fmt = options.kv_format(args)
+    formats = options.kv_formats(args)
     saved = kv_bits(cache)
     if saved is not None:
         if args.kv_bits is not None and args.kv_bits != saved:
@@ -132,22 +132,29 @@ def quantized(args: argparse.Namespace, cache):
                 f"{args.kv_bits} (compress it again)"
             )
         return cache
-    if fmt is None:
+    if formats is None:
         return cache
     if args.kv_window < 1:
         args.subparser.error("--kv-window must be >= 1")
     try:
-        fmt.group_for(cache.layers[0].k.shape[-1])
+        for fmt in formats:
+            fmt.group_for(cache.layers[0].k.shape[-1])
     except ValueError as e:
         args.subparser.error(f"--kv-group: {e}")
-    return kv.quantized(cache, fmt, args.kv_window, args.kv_center)
+    keys, values = formats
+    return kv.quantized(cache, keys, args.kv_window, args.kv_center, value_fmt=values)
 
 
-def kv_bits(cache) -> int | None:
-    """The bits of a quantized cache's kept pairs, or None (not quantized)."""
+def kv_bits(cache) -> int | str | None:
+    """The --kv-bits of a quantized cache's kept pairs (8, 4, or "8/4": int8 keys, int4 values), or None (not
+    quantized)."""
     from kvzip_jax import cache as kv
 
-    return next((layer.store.k.bits for layer in cache.layers if isinstance(layer, kv.QuantizedLayerCache)), None)
+    layer = next((layer for layer in cache.layers if isinstance(layer, kv.QuantizedLayerCache)), None)
+    if layer is None:
+        return None
+    k, v = layer.store.k.bits, layer.store.v.bits
+    return k if k == v else f"{k}/{v}"
 
 
 def asks_by_completion(model) -> bool:

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from kvzip_jax.sharding import memory
 
     _check_choices(args)
-    options.kv_format(args)  # a bad --kv-group, before the model loads
+    options.kv_formats(args)  # a bad --kv-group, before the model loads
     instruction = options.instruction(args)
     check_ratio(args.ratio)
     document = common.read_context(args.context)
@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot or args.html:
         _pictures(args, model, masked, context)
     print(f"KV cache bytes: full {common.cache_bytes(cache)}")
-    fmt = options.kv_format(args)
-    bits = "" if fmt is None else f", int{fmt.bits} in groups of {min(fmt.group, model.cfg.head_dim)}"
+    formats = options.kv_formats(args)
+    bits = "" if formats is None else ", " + _kv_layout(*formats, model.cfg.head_dim)
     print(
         f"KV cache bytes: compressed {common.cache_bytes(compressed)} (ragged{bits}, room for "
         f"{int(compressed.room().min())} more tokens)"
@@ -146,6 +146,14 @@ def _pictures(args: argparse.Namespace, model, masked, context) -> None:
         target = Path(args.html).absolute()
         target.parent.mkdir(parents=True, exist_ok=True)
         print(f"wrote {report.write_atomic(target, lambda tmp: tmp.write_text(page, encoding='utf-8'))}")
+
+
+def _kv_layout(keys, values, head_dim: int) -> str:
+    """ "int4 in groups of 16", or "int8 keys in groups of 64, int4 values in groups of 16"."""
+    groups = lambda fmt: f"int{fmt.bits} {{}}in groups of {min(fmt.group, head_dim)}"
+    if keys == values:
+        return groups(keys).format("")
+    return f"{groups(keys).format('keys ')}, {groups(values).format('values ')}"
 
 
 def _save(args: argparse.Namespace, model, compressed, context) -> None:

@@ -36,9 +36,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError:
         args.subparser.error(f"--ratios must be comma-separated numbers, got {args.ratios!r}")
     try:
-        kv_bits = tuple(int(b) for b in _csv(args.kv_bits))
-    except ValueError:
-        args.subparser.error(f"--kv-bits must be comma-separated bit widths (16, 8, 4), got {args.kv_bits!r}")
+        kv_bits = tuple(options.kv_bits(b) for b in _csv(args.kv_bits))
+    except argparse.ArgumentTypeError:
+        args.subparser.error(f"--kv-bits must be comma-separated among 16, 8, 4, 8/4; got {args.kv_bits!r}")
     if args.contexts < 1 or args.context_tokens < 1:
         args.subparser.error("--contexts and --context-tokens must be >= 1")
     instruction = options.instruction(args)
@@ -222,17 +222,20 @@ def add_parser(subparsers) -> None:
         "--kv-bits",
         default="16",
         help="comma-separated bits of the kept keys and values: every cache "
-        "answers at each (16: the model's dtype; 8, 4: quantized per token in groups; the full cache "
-        "quantized is quantization alone); the report plots score against bytes",
+        "answers at each (16: the model's dtype; 8, 4: quantized per token in groups; 8/4: int8 keys beside int4 "
+        "values; the full cache quantized is quantization alone); the report plots score against bytes",
     )
     parser.add_argument(
         "--kv-group",
         type=int,
         default=None,
-        help="--kv-bits 8 / 4: elements per scale and zero point (default 64 for int8, 16 for int4)",
+        help="--kv-bits 8 / 4 / 8/4: elements per scale and zero point (default 64 for int8, 16 for int4)",
     )
     parser.add_argument(
-        "--kv-window", type=int, default=options.KV_WINDOW, help="--kv-bits 8 / 4: recent tokens kept at full precision"
+        "--kv-window",
+        type=int,
+        default=options.KV_WINDOW,
+        help="--kv-bits 8 / 4 / 8/4: recent tokens kept at full precision",
     )
     options.add_kv_center(parser)
     parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")

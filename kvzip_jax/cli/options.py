@@ -65,34 +65,47 @@ def instruction(args) -> str | None:
     return named_instruction(args.instruction)
 
 
-KV_BITS = (16, 8, 4)
-KV_WINDOW = 128  # cache.WINDOW, named here so that --help imports no jax
+KV_BITS = (16, 8, 4, "8/4")  # quant.KV_BITS, named here so that --help imports no jax
+KV_WINDOW = 128  # cache.WINDOW, likewise
+
+
+def kv_bits(text: str) -> int | str:
+    """A --kv-bits value: 16, 8 or 4 (ints), or "8/4" (int8 keys beside int4 values)."""
+    bits = text.strip() if "/" in text else int(text) if text.strip().isdigit() else text
+    if bits not in KV_BITS:
+        raise argparse.ArgumentTypeError(f"must be one of 16, 8, 4, 8/4 (int8 keys, int4 values), got {text!r}")
+    return bits
+
+
+def kv_label(bits: int | str) -> str:
+    """How the CLI names quantized pairs: "int8", "int4", "k8v4"."""
+    return "k8v4" if bits == "8/4" else f"int{bits}"
 
 
 def add_kv_bits(parser, saved: bool = False) -> None:
     """--kv-bits, --kv-group, --kv-window: quantize the compressed cache's kept pairs. saved: for commands that
     answer from a saved cache (ask, chat --cache), where the default is the cache as saved."""
-    note = "default: as the cache was saved; 8 or 4 quantize an unquantized one now" if saved else "default 16"
+    note = "default: as the cache was saved; 8, 4 or 8/4 quantize an unquantized one now" if saved else "default 16"
     parser.add_argument(
         "--kv-bits",
-        type=int,
-        choices=KV_BITS,
+        type=kv_bits,
         default=None if saved else 16,
         help=f"bits of the kept keys and values: 16 keeps the model's dtype, 8 and 4 quantize them "
-        f"per token in groups ({note})",
+        f"per token in groups, 8/4 keys in int8 beside values in int4, which keeps exact strings that int4 keys "
+        f"can lose ({note})",
     )
     parser.add_argument(
         "--kv-group",
         type=int,
         default=None,
-        help="--kv-bits 8 / 4: elements per scale and zero "
+        help="--kv-bits 8 / 4 / 8/4: elements per scale and zero "
         "point (default 64 for int8, 16 for int4; the head dim when it is smaller)",
     )
     parser.add_argument(
         "--kv-window",
         type=int,
         default=KV_WINDOW,
-        help="--kv-bits 8 / 4: recent tokens (the "
+        help="--kv-bits 8 / 4 / 8/4: recent tokens (the "
         "questions and answers) kept at full precision before they are quantized",
     )
     add_kv_center(parser)
@@ -103,20 +116,21 @@ def add_kv_center(parser) -> None:
         "--kv-center",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="--kv-bits 8 / 4: "
+        help="--kv-bits 8 / 4 / 8/4: "
         "centre each head's keys per channel before quantizing them (exact; default on: a channel "
         "far from 0 on every token would otherwise spend the levels of its group)",
     )
 
 
-def kv_format(args):
-    """The quant.QuantFormat --kv-bits and --kv-group name, or None for --kv-bits 16 (or absent)."""
+def kv_formats(args):
+    """(keys' quant.QuantFormat, values') that --kv-bits and --kv-group name, or None for --kv-bits 16 (or
+    absent)."""
     if args.kv_bits in (None, 16):
         return None
-    from kvzip_jax.quant.groups import QuantFormat
+    from kvzip_jax.quant.groups import kv_formats
 
     try:
-        return QuantFormat(bits=args.kv_bits, group=args.kv_group)
+        return kv_formats(args.kv_bits, args.kv_group)
     except ValueError as e:
         args.subparser.error(f"--kv-group: {e}")
 

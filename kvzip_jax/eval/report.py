@@ -193,7 +193,7 @@ def pareto(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalis
                 continue
             xs, ys = zip(*pts)
             base, _, bits = method.partition("+")
-            style = {"": "-", "int8": "--", "int4": ":"}[bits]
+            style = {"": "-", "int8": "--", "int4": ":", "k8v4": "-."}[bits]
             ax.plot(
                 xs,
                 ys,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from kvzip_jax.errors import EmptyInputError, KvzipError
 
-KEY_FIELDS = ("task", "example", "method", "mode", "ratio", "question", "kv_bits")
+KEY_FIELDS = ("task", "example", "method", "mode", "ratio", "question", "kv_bits")  # kv_bits last (key_order)
 KEY_DEFAULTS = {"kv_bits": 16}  # records written before the field existed: the model's dtype
 RESULTS_NAME = "results.jsonl"  # a one-process sweep's, and the merged one
 SHARE_NAME = re.compile(r"results\.\d+-of-\d+\.jsonl")  # process I of N's (results_name)
@@ -52,6 +52,16 @@ def record_key(record: dict) -> tuple:
     return tuple(
         record[field] if field not in KEY_DEFAULTS else record.get(field, KEY_DEFAULTS[field]) for field in KEY_FIELDS
     )
+
+
+def key_order(key: tuple) -> tuple:
+    """A record_key as it sorts: kv_bits, an int or "8/4", as text."""
+    return key[:-1] + (str(key[-1]),)
+
+
+def record_order(record: dict) -> tuple:
+    """The order of records in a merged file and a report."""
+    return key_order(record_key(record))
 
 
 def fingerprint(settings: dict) -> str:
@@ -177,7 +187,7 @@ def results_files(folder: str | os.PathLike) -> list[Path]:
 
 def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
     """(settings, records) of every results file of a sweep folder: each answer once (from the first file by name
-    that holds it), sorted by record_key. Files are only read: a partial last line (a process still writing, or
+    that holds it), sorted by record_order. Files are only read: a partial last line (a process still writing, or
     killed) is left out. Raises SweepMismatchError when the files hold other settings (other RESULTS_VERSION, model,
     prompt, ...), a record of another fingerprint, or two examples under one id; EmptyInputError without files."""
     if not Path(folder).is_dir():
@@ -205,7 +215,7 @@ def merged_records(folder: str | os.PathLike) -> tuple[dict, list[dict]]:
                     f"{record['task']}/{record['example']}: merge only the shares of one sweep"
                 )
             by_key.setdefault(record_key(record), record)
-    return settings, [by_key[k] for k in sorted(by_key)]
+    return settings, [by_key[k] for k in sorted(by_key, key=key_order)]
 
 
 def merge(folder: str | os.PathLike) -> Path:

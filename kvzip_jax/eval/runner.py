@@ -249,7 +249,8 @@ class Sweep:
     def _answer_quantized(self, batch: Batch, key: tuple, cache: kv.KVCache, asked, full) -> None:
         """Records the answers of `cache` with its kept pairs quantized to key's kv bits (cache.quantized)."""
         start = time.perf_counter()
-        quantized = kv.quantized(cache, self.config.kv_format(key[-1]), self.config.kv_window, self.config.kv_center)
+        keys, values = self.config.kv_formats(key[-1])
+        quantized = kv.quantized(cache, keys, self.config.kv_window, self.config.kv_center, value_fmt=values)
         got = self._compressed_answers(batch, quantized, asked, full)
         self._record(batch, key, got, full, time.perf_counter() - start, kv.row_bytes(quantized, placement.to_host))
 

@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from kvzip_jax.errors import KvzipError
-from kvzip_jax.eval.results import ResultsFile, SweepMismatchError
+from kvzip_jax.eval.results import ResultsFile, SweepMismatchError, key_order
 
 
 class ProcessShareError(KvzipError, ValueError):
@@ -54,7 +54,7 @@ def share_of(groups: Sequence, index: int = 0, count: int = 1) -> list:
 def check_lockstep(results: ResultsFile) -> None:
     """Raises SweepMismatchError unless every process of a replica spanning processes holds the same answers done
     (else they would run different batches, and wait on each other for ever)."""
-    digest = np.frombuffer(hashlib.sha256(repr(sorted(results.done)).encode()).digest(), np.uint32)
+    digest = np.frombuffer(hashlib.sha256(repr(sorted(results.done, key=key_order)).encode()).digest(), np.uint32)
     try:
         multihost_utils.assert_equal(digest)
     except AssertionError:

@@ -6,7 +6,8 @@ full cache, else "reuse" / "first" / "oracle"), ratio (1.0 for full), prediction
 agree (prediction equals the full cache's), kl, flip (kvzip_jax.eval.metrics.next_token_divergence), seconds;
 and, from sweeps that quantize, kv_bits (16 when absent: the model's dtype) and bytes (the answering cache's kept pairs
 for that context). A quantized cache is reported as its own method: "kvzip+int4", and "int8" / "int4" for the full
-cache quantized (quantization alone); normalised scores stay relative to the unquantized full cache.
+cache quantized (quantization alone); "k8v4" names int8 keys beside int4 values (kv_bits "8/4"). Normalised scores
+stay relative to the unquantized full cache.
 
 Every normalised score and agreement comes with a 95% interval, since a sweep's n is small:
   agreement   Wilson score interval over the n answers;
@@ -71,9 +72,10 @@ def labelled(record: dict) -> dict:
     bits = record.get("kv_bits", 16)
     if bits == 16:
         return record
+    label = "k8v4" if bits == "8/4" else f"int{bits}"
     if record["method"] == "full":
-        return {**record, "method": f"int{bits}", "mode": "reuse"}
-    return {**record, "method": f"{record['method']}+int{bits}"}
+        return {**record, "method": label, "mode": "reuse"}
+    return {**record, "method": f"{record['method']}+{label}"}
 
 
 def _mean(xs: Iterable[float]) -> float:
@@ -116,10 +118,10 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     questions (example, question) that have a full-cache record (None when there are none or the full mean is 0);
     agree (% of answers equal to the full cache's); kl and flip (means); normalised_lo/hi and agree_lo/hi: the 95%
     intervals of the module docstring (None where the value is). The rows do not depend on the records' order
-    (they are taken in results.record_key order), so the shares of a sweep merged give a one-process sweep's.
+    (they are taken in results.record_order), so the shares of a sweep merged give a one-process sweep's.
     """
     _check(records)
-    records = [labelled(r) for r in sorted(records, key=results.record_key)]
+    records = [labelled(r) for r in sorted(records, key=results.record_order)]
     full = {(r["task"], r["example"], r["question"]): float(r["score"]) for r in records if r["method"] == "full"}
     full_bytes = {(r["task"], r["example"]): r["bytes"] for r in records if r["method"] == "full" and "bytes" in r}
     groups = collections.defaultdict(list)

@@ -44,7 +44,7 @@ from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights.identity import model_identity, tokenizer_hash
 
 MODES = ("reuse", "first", "oracle")
-KV_BITS = (16, 8, 4)
+KV_BITS = quant.KV_BITS
 QUERY_CAP = matching.MatchingConfig().query_cap  # Attention Matching's default reference rows per KV head and layer
 
 
@@ -61,7 +61,8 @@ class SweepConfig:
     self_study_samples: int = 1  # turns per self-study prompt and context (matching.self_study.probes)
     self_study_tokens: int = 64  # most tokens of a self-study answer
     query_cap: int = QUERY_CAP  # most reference rows per KV head and layer, all sources
-    kv_bits: tuple[int, ...] = (16,)  # every cache answers at each: 16 the model's dtype, 8 / 4 quantized kept pairs
+    kv_bits: tuple[int | str, ...] = (16,)  # every cache answers at each: 16 the model's dtype, 8 / 4 quantized kept
+    # pairs, "8/4" int8 keys beside int4 values
     kv_group: int | None = None  # elements per scale of the quantized pairs (None: quant.DEFAULT_GROUP per width)
     kv_window: int = kv.WINDOW  # recent tokens at full precision in a quantized cache
     kv_center: bool = True  # quantized keys centred per channel first (cache.quantized)
@@ -88,14 +89,15 @@ class SweepConfig:
         if self.kv_window < 1:
             raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
         if self.quantizes:
-            self.kv_format(8)  # a named error for a bad group
+            self.kv_formats(8)  # a named error for a bad group
 
     @property
     def quantizes(self) -> bool:
         return any(bits != 16 for bits in self.kv_bits)
 
-    def kv_format(self, bits: int) -> quant.QuantFormat:
-        return quant.QuantFormat(bits=bits, group=self.kv_group)
+    def kv_formats(self, bits: int | str) -> tuple[quant.QuantFormat, quant.QuantFormat]:
+        """(keys' format, values' format) of a quantized kv_bits entry."""
+        return quant.kv_formats(bits, self.kv_group)
 
     def modes_of(self, method: str) -> tuple[str, ...]:
         """The modes a method runs in: every mode if it sees the question, else reuse."""

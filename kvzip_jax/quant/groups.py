@@ -22,6 +22,7 @@ import numpy as np
 
 BITS = (8, 4)
 DEFAULT_GROUP = {8: 64, 4: 16}  # elements per scale when none is given (int4: four scales per head of 64)
+KV_BITS = (16, 8, 4, "8/4")  # a cache's kept pairs: the model's dtype, int8, int4, or int8 keys beside int4 values
 SCALE_DTYPES = ("bfloat16", "float16")
 ALONG = ("head_dim", "tokens")
 
@@ -101,6 +102,17 @@ class Quantized:
     def nbytes(self) -> int:
         """Bytes from shapes: codes (one byte per uint8, two int4 codes in one), scales and zero points."""
         return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in (self.codes, self.scale, self.zero)))
+
+
+def kv_formats(bits: int | str, group: int | None = None) -> tuple[QuantFormat, QuantFormat] | None:
+    """(the keys' format, the values' format) of a KV_BITS entry, or None for 16 (the model's dtype); group as
+    QuantFormat's (None: each width's DEFAULT_GROUP)."""
+    if bits not in KV_BITS:
+        raise ValueError(f"kv bits must be one of {KV_BITS}, got {bits!r}")
+    if bits == 16:
+        return None
+    key_bits, value_bits = (8, 4) if bits == "8/4" else (bits, bits)
+    return QuantFormat(bits=key_bits, group=group), QuantFormat(bits=value_bits, group=group)
 
 
 def pack_int4(codes: jax.Array) -> jax.Array:
