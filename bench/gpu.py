@@ -43,7 +43,7 @@ from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
 from kvzip_jax.models import attention, ragged_attention
 from kvzip_jax.models.flops import kvzip_scoring_flops, prefill_flops
 from kvzip_jax.models.params import param_shapes
-from kvzip_jax.quant.groups import QuantFormat, Quantized
+from kvzip_jax.quant.groups import Quantized, kv_formats
 from kvzip_jax.weights import registry
 from pallas_kernels import QuantizedRows, decode_attention, ragged_decode
 
@@ -150,7 +150,8 @@ SMOKE_MLA = dataclasses.replace(
 SMOKE_CASES = [("smoke", SMOKE, 2, (192,)), ("smoke-mla", SMOKE_MLA, 2, (192,))]
 PEAKS = {"H200": (4.8e12, 989e12), "H100": (3.35e12, 989e12), "A100": (2.0e12, 312e12)}  # HBM B/s, dense bf16 FLOP/s
 RATIO = 0.3
-KV_BITS = (8, 4)  # the ragged cache's kept pairs quantized (the default groups: 64 for int8, 16 for int4; bf16 scales)
+KV_BITS = (8, 4, "8/4")  # the ragged cache's kept pairs quantized (default groups: 64 for int8, 16 for int4; bf16
+# scales; "8/4": int8 keys beside int4 values)
 REREAD_PROMPT = 16  # tokens of the reread prompt before each chunk (KVzip's is about this long)
 
 
@@ -461,8 +462,10 @@ def main(argv=None) -> int:
             full = synthetic_cache(base, batch, tokens, dtype)
             masked, ragged = compressed(base, full, tokens)
             caches = {"full": full, "masked": masked, "ragged": ragged}
-            for bits in KV_BITS:  # KVzip + quantization: the ragged cache's kept pairs in int8 / int4
-                caches[f"ragged-int{bits}"] = kv.quantized(ragged, QuantFormat(bits=bits))
+            for bits in KV_BITS:  # KVzip + quantization: the ragged cache's kept pairs in int8 / int4 / k8v4
+                keys, values = kv_formats(bits)
+                label = "k8v4" if bits == "8/4" else f"int{bits}"
+                caches[f"ragged-{label}"] = kv.quantized(ragged, keys, value_fmt=values)
             for impl in ("xla", "pallas"):
                 decode_figures(
                     params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps, peak_bw

@@ -4,12 +4,13 @@
                              [--group N] [--decode-tokens 32] [--repeats 3]
 
 On one context (the bundled demo document, repeated and cut to --tokens context tokens), scored once by KVzip:
-  - bytes of every cache form at 16 (the model's dtype), 8 and 4 bits, as a share of the full cache at 16 bits:
+  - bytes of every cache form at 16 (the model's dtype), 8 and 4 bits and 8/4 (int8 keys, int4 values), as a share
+    of the full cache at 16 bits:
     "kept" counts the pairs held and visible (codes, scales and zero points included; kv.used_bytes), "allocated"
     the device arrays (a masked cache keeps the full arrays; a ragged one its bucketed store, its room for a
     64-token question and answer and, quantized, its full-precision window of 128 tokens);
-  - decode time per token (XLA, greedy, no stop token) from the ragged cache at --ratio at 16, 8 and 4 bits, the
-    three measured in turns (round robin, best of --repeats each), so load on the machine hits them alike
+  - decode time per token (XLA, greedy, no stop token) from the ragged cache at --ratio at each of those, all
+    measured in turns (round robin, best of --repeats each), so load on the machine hits them alike
     (--decode-tokens 0: bytes only).
 Compilation is excluded: every timed call runs once before.
 """
@@ -28,11 +29,11 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, prompts
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
-from kvzip_jax.quant.groups import QuantFormat
+from kvzip_jax.quant.groups import QuantFormat, kv_formats
 from kvzip_jax.weights import registry
 
 QUESTION_ROOM = 64
-BITS = (16, 8, 4)
+BITS = (16, 8, 4, "8/4")  # quant.KV_BITS: "8/4" int8 keys beside int4 values
 
 
 def forms(cache, masked, ragged, group: int | None) -> dict:
@@ -41,7 +42,8 @@ def forms(cache, masked, ragged, group: int | None) -> dict:
     for name, base in (("full", cache), ("masked", masked), ("ragged", ragged)):
         out[name, 16] = base
         for bits in BITS[1:]:
-            out[name, bits] = kv.quantized(base, QuantFormat(bits=bits, group=group))
+            keys, values = kv_formats(bits, group)
+            out[name, bits] = kv.quantized(base, keys, value_fmt=values)
     return out
 
 
@@ -84,7 +86,7 @@ def main() -> None:
     print(
         f"{model.name} {args.dtype}, jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} cores), "
         f"KVzip ratio {args.ratio}, groups of "
-        + ", ".join(f"{min(QuantFormat(bits=b, group=args.group).group, cfg.head_dim)} (int{b})" for b in BITS[1:])
+        + ", ".join(f"{min(QuantFormat(bits=b, group=args.group).group, cfg.head_dim)} (int{b})" for b in (8, 4))
         + f" (head dim {cfg.head_dim}), "
         f"{args.tokens} context tokens"
     )

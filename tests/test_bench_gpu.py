@@ -24,7 +24,7 @@ def _bench():
 def _check_rows(out: str) -> None:
     for impl in ("xla", "pallas"):
         assert f"[{impl}] prefill" in out and f"[{impl}] attention speed-up at 0.3" in out
-        for form in ("full", "masked", "ragged", "ragged-int8", "ragged-int4"):
+        for form in ("full", "masked", "ragged", "ragged-int8", "ragged-int4", "ragged-k8v4"):
             assert f"[{impl}] decode {form:>11}:" in out
     assert "nan" not in out.lower()
 

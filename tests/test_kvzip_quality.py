@@ -68,7 +68,8 @@ def test_ratio_0_3_holds_todays_floor(minutes):
 @pytest.mark.slow
 def test_int4_after_kvzip_0_3_keeps_exact_values_behind_random_keys(qwen):
     """Exact retrieval from a KVzip 0.3 + int4 cache (the default format, groups of 16) and from int8 keys beside
-    int4 values (--kv-bits 8/4): every value the 16-bit KVzip cache gives right, each gives right too. On this context int4 in groups of 64 (the format before
+    int4 values (--kv-bits 8/4): every value the 16-bit KVzip cache gives right, each gives right too. On this
+    context int4 in groups of 64 (the format before
     studies/kv_quant_after_eviction) loses two of the three UUIDs KVzip keeps: layer 0's keys, whose largest RoPE
     channels set the scale of every other channel of a 64-wide group."""
     drop_compiled_and_freed()  # the programs of the tests before it (other shapes) would stack under its peak
