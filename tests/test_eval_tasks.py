@@ -216,6 +216,7 @@ def test_load_jsonl(tmp_path):
             "task": "vt",
             "metric": "all",
             "max_new_tokens": 8,
+            "answer_prefix": " Answer:",
         },
     ]
     path = write_lines(tmp_path / "mixed.jsonl", [json.dumps(records[0]), "", "   ", json.dumps(records[1])])
@@ -227,7 +228,8 @@ def test_load_jsonl(tmp_path):
         ("Where is Paris?", "Which country?"),
         (("France",), ("France", "FR")),
     )
-    assert second == Example("vt", "vt-7", "VAR A = 1.", ("Who is 1?",), (("A",),), "all", 8)
+    assert first.answer_prefix == ""
+    assert second == Example("vt", "vt-7", "VAR A = 1.", ("Who is 1?",), (("A",),), "all", 8, " Answer:")
     assert [e.id for e in load_jsonl(str(path), task="kv")] == ["kv-0", "vt-7"]
     assert load_jsonl(path, task="kv")[0].task == "kv"
 
@@ -251,6 +253,7 @@ GOOD = {"context": "c", "queries": ["q"], "answers": ["a"]}
         (json.dumps({**GOOD, "metric": "bleu"}), "metric"),
         (json.dumps({**GOOD, "max_new_tokens": 0}), "max_new_tokens"),
         (json.dumps({**GOOD, "id": 5}), "id"),
+        (json.dumps({**GOOD, "answer_prefix": 1}), "answer_prefix"),
     ],
 )
 def test_load_jsonl_rejects_a_bad_record_naming_file_and_line(tmp_path, line, message):

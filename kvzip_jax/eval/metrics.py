@@ -1,4 +1,5 @@
-"""Answer metrics (KVzip results/metric.py, adapted from SCBench) and the full-vs-compressed next-token divergence.
+"""Answer metrics (KVzip results/metric.py, adapted from SCBench; RULER's string matches) and the full-vs-compressed
+next-token divergence.
 
 Every text metric takes one prediction and the reference strings of its question and returns a float in [0, 1];
 `score` dispatches on the Example.metric names (kvzip_jax.eval.tasks.base.METRICS).
@@ -85,7 +86,51 @@ def rouge_l(prediction: str, references: Sequence[str]) -> float:
     return max(_rouge_scorer().score(r, prediction)["rougeL"].fmeasure for r in references)
 
 
-_SCORERS = {"inclusion": inclusion, "all": all_included, "exact": exact_match, "f1": token_f1, "rouge": rouge_l}
+_CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f]")
+
+
+def ruler_postprocess(prediction: str) -> str:
+    """RULER's cleaning of a prediction before scoring: stripped, every control character (\\x00-\\x1f) made a
+    newline, stripped again."""
+    return _CONTROL_CHARACTERS.sub("\n", prediction.strip()).strip()
+
+
+def string_match_all(prediction: str, references: Sequence[str]) -> float:
+    """RULER's string_match_all for one prediction: the fraction of references that occur, lower-cased, in the
+    lower-cased RULER-cleaned prediction (no other normalisation)."""
+    _check(references)
+    pred = ruler_postprocess(prediction).lower()
+    return sum(1.0 if r.lower() in pred else 0.0 for r in references) / len(references)
+
+
+def string_match_part(prediction: str, references: Sequence[str]) -> float:
+    """RULER's string_match_part for one prediction: 1.0 if any reference occurs, lower-cased, in the lower-cased
+    RULER-cleaned prediction."""
+    _check(references)
+    pred = ruler_postprocess(prediction).lower()
+    return max(1.0 if r.lower() in pred else 0.0 for r in references)
+
+
+def ruler_task_score(metric: str, predictions: Sequence[str], references: Sequence[Sequence[str]]) -> float:
+    """A RULER task's reported score: 100 x the mean of the per-prediction metric ("string_match_all" or
+    "string_match_part") over the task's samples, rounded to 2 decimals."""
+    scorers = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+    if metric not in scorers:
+        raise ValueError(f"metric must be one of {tuple(scorers)}, got {metric!r}")
+    if len(predictions) != len(references) or not predictions:
+        raise ValueError(f"need as many predictions as reference lists (>= 1): {len(predictions)}, {len(references)}")
+    return round(sum(map(scorers[metric], predictions, references)) / len(predictions) * 100, 2)
+
+
+_SCORERS = {
+    "inclusion": inclusion,
+    "all": all_included,
+    "exact": exact_match,
+    "f1": token_f1,
+    "rouge": rouge_l,
+    "string_match_all": string_match_all,
+    "string_match_part": string_match_part,
+}
 
 
 def score(metric: str, prediction: str, references: Sequence[str]) -> float:

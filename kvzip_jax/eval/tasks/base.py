@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-METRICS = ("inclusion", "all", "exact", "f1", "rouge")
+METRICS = ("inclusion", "all", "exact", "f1", "rouge", "string_match_all", "string_match_part")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -13,8 +13,10 @@ class Example:
 
     answers[i] holds the reference strings of questions[i]. metric says how a prediction is scored against them
     (see kvzip_jax.eval.metrics): "inclusion" any reference occurs in the normalised prediction, "all" the fraction
-    of references that occur (variable tracking), "exact", "f1" (token F1), "rouge" (ROUGE-L F).
-    max_new_tokens: the answer length the task needs.
+    of references that occur (variable tracking), "exact", "f1" (token F1), "rouge" (ROUGE-L F), and RULER's
+    "string_match_all" (the fraction of references in the lower-cased prediction) and "string_match_part" (any).
+    max_new_tokens: the answer length the task needs. answer_prefix: the text a RULER prompt puts after the
+    question, where the answer starts ("Answer:"); "" for none. The sweep's prompts do not add it yet.
     """
 
     task: str
@@ -24,6 +26,7 @@ class Example:
     answers: tuple[tuple[str, ...], ...]
     metric: str = "inclusion"
     max_new_tokens: int = 32
+    answer_prefix: str = ""
 
     def __post_init__(self):
         if len(self.questions) != len(self.answers):

@@ -3,7 +3,8 @@
     {"context": "...", "queries": ["...", "..."], "answers": ["...", ["...", "..."]], "metric": "inclusion"}
 
 "questions" may stand for "queries"; an answer is a string or a list of accepted strings. Optional fields: "id",
-"task", "metric" (default "inclusion"), "max_new_tokens" (default 32). Blank lines are ignored.
+"task", "metric" (default "inclusion"), "max_new_tokens" (default 32), "answer_prefix" (default ""). Blank lines are
+ignored.
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ def parse_record(record, task: str, default_id: str) -> Example:
     max_new_tokens = record.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f'"max_new_tokens" must be a positive integer, got {max_new_tokens!r}')
+    answer_prefix = record.get("answer_prefix", "")
+    if not isinstance(answer_prefix, str):
+        raise ValueError(f'"answer_prefix" must be a string, got {answer_prefix!r}')
     record_task, record_id = record.get("task", task), record.get("id", default_id)
     if not isinstance(record_task, str) or not isinstance(record_id, str) or not record_task or not record_id:
         raise ValueError('"task" and "id" must be non-empty strings')
-    return Example(record_task, record_id, context, questions, answers, metric, max_new_tokens)
+    return Example(record_task, record_id, context, questions, answers, metric, max_new_tokens, answer_prefix)
 
 
 def load_jsonl(path: str | Path, task: str | None = None) -> list[Example]:

@@ -1,0 +1,34 @@
+"""A generated RULER sample (its whole prompt, answers, haystack size) and its Example: the prompt cut into context
+(instructions, haystack, few-shot example: what is compressed), question and answer prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvzip_jax.eval.tasks.base import Example
+from kvzip_jax.eval.tasks.ruler.templates import Family, split
+
+METRIC = "string_match_all"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """text: the whole prompt, answer prefix included (RULER's input under the base template); answers: the
+    references (RULER's outputs); size: the haystack size drawn (lines, words or sentences' words, per task)."""
+
+    text: str
+    answers: tuple[str, ...]
+    size: int
+
+
+def to_example(sample: Sample, family: Family, task: str, example_id: str) -> Example:
+    """One question: context + question + answer_prefix == sample.text; metric string_match_all."""
+    context, question, answer_prefix = split(sample.text, family)
+    return Example(
+        task, example_id, context, (question,), (sample.answers,), METRIC, family.max_new_tokens, answer_prefix
+    )
+
+
+def base_prompt(example: Example, question: int = 0) -> str:
+    """The prompt without a chat template: context, question and answer prefix concatenated (RULER's input)."""
+    return example.context + example.questions[question] + example.answer_prefix
