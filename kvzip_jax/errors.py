@@ -31,3 +31,7 @@ class ChecksumError(ModelFileError):
 
 class TaskFileError(KvzipError):
     """A task file (JSONL of contexts, questions and answers) is missing or malformed."""
+
+
+class DatasetFileError(TaskFileError):
+    """A dataset in kvpress's format (a parquet or JSONL file, or a hub name) is missing, unreadable or malformed."""

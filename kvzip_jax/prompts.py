@@ -15,6 +15,11 @@ whatever template its tokenizer carries: [BOS | system "\\n\\n" | context | "\\n
 continues with the answer, where it continues the plain layout with more questions of its own. KVzip's reread keeps
 the default layout.
 
+An answer prefix (kvpress's answer_prefix, e.g. RULER's "The special magic number for ... is") opens the answer:
+under a chat template it follows the answer header (the assistant turn opened), as kvpress feeds it; in the plain
+and completion layouts it takes the place of the header's "Answer:" cue, after its line break. With "" (none) every
+layout is as above.
+
 Each segment is tokenized on its own and the ids are concatenated, so boundaries are exact, and every build checks
 that the ids decode to exactly the template's rendering. Merge caveat: tokenizing the whole rendering at once can
 differ at a segment join. Qwen's pre-tokenizer glues punctuation to the newlines after it, so a context ending in "."
@@ -43,6 +48,7 @@ KVZIP_INSTRUCTION = "Given the context, answer to the following question or requ
 PLAIN_ANSWER_HEADER = "\n\nAnswer:"
 COMPLETION_QUESTION_LEAD = "\n\nQuestion: "
 COMPLETION_ANSWER_HEADER = "\nAnswer:"
+ANSWER_CUE = "Answer:"  # ends the plain and completion answer headers; an answer prefix takes its place
 COMPLETION_STOPS = ("\n", "\n\n")  # an answer to a completion prompt ends at the end of its line
 REREAD_FIRST_CHUNK = "Repeat the previous context exactly."
 REREAD_NEXT_CHUNK = "Repeat the part of the previous context exactly, starting with "
@@ -52,7 +58,7 @@ _USER_MESSAGE_MARKER = "\x00kvzip-user-message\x00"
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     """Token ids with segment boundaries: prefix [0, context_start), context [context_start, context_end),
-    question [context_end, question_end), answer header [question_end, len(tokens))."""
+    question [context_end, question_end), answer header and answer prefix [question_end, len(tokens))."""
 
     tokens: tuple[int, ...]
     context_start: int
@@ -92,11 +98,18 @@ class Prompt:
 
 @dataclasses.dataclass(frozen=True)
 class ChatLayout:
-    """The text a chat template puts around the user message, and what leads a question in it."""
+    """The text a chat template puts around the user message, what leads a question in it, and the cue ending a
+    text answer header that an answer prefix takes the place of ("" under a chat template: the prefix follows)."""
 
     prefix: str
     answer_header: str
     question_lead: str = QUESTION_SEPARATOR
+    answer_cue: str = ""
+
+    def header_before(self, answer_prefix: str) -> str:
+        """The answer header as it stands before answer_prefix: the whole header when answer_prefix is "", else the
+        header without its cue."""
+        return self.answer_header.removesuffix(self.answer_cue) if answer_prefix else self.answer_header
 
 
 def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -112,8 +125,8 @@ def chat_layout(tokenizer: PreTrainedTokenizerBase, system: str | None = None, c
     if completion or tokenizer.chat_template is None:
         prefix = (tokenizer.bos_token if _adds_bos(tokenizer) else "") + (system + "\n\n" if system else "")
         if completion:
-            return ChatLayout(prefix, COMPLETION_ANSWER_HEADER, COMPLETION_QUESTION_LEAD)
-        return ChatLayout(prefix, PLAIN_ANSWER_HEADER)
+            return ChatLayout(prefix, COMPLETION_ANSWER_HEADER, COMPLETION_QUESTION_LEAD, ANSWER_CUE)
+        return ChatLayout(prefix, PLAIN_ANSWER_HEADER, answer_cue=ANSWER_CUE)
     rendered = _render(tokenizer, _USER_MESSAGE_MARKER, system)
     if rendered.count(_USER_MESSAGE_MARKER) != 1:
         raise KvzipError("the chat template does not place the user message exactly once; cannot find the layout")
@@ -139,13 +152,15 @@ def build_prompt(
     system: str | None = None,
     instruction: str | None = None,
     completion: bool = False,
+    answer_prefix: str = "",
 ) -> Prompt:
-    """Lays out [prefix | context | question | answer header]; the user message is [instruction + "\\n\\n"] +
-    context + "\\n\\n" + question.
+    """Lays out [prefix | context | question | answer header + answer prefix]; the user message is [instruction +
+    "\\n\\n"] + context + "\\n\\n" + question.
 
     system replaces the template's default system prompt (None keeps the default). instruction (e.g.
     KVZIP_INSTRUCTION, which KVzip puts before every context) opens the user message and belongs to the prefix, so
     it is never evicted; None: no instruction. completion: a base model's completion layout, no chat template.
+    answer_prefix: the text the answer starts with, kept as it is (not stripped); "" for none.
     Raises EmptyInputError on an empty context, question or instruction, KvzipError when the template alters the
     message or the ids do not decode to it.
     """
@@ -153,36 +168,47 @@ def build_prompt(
     layout = chat_layout(tokenizer, system, completion)
     question_text = "" if question is None else layout.question_lead + _stripped(question, "question")
     lead = "" if instruction is None else _stripped(instruction, "instruction") + INSTRUCTION_SEPARATOR
+    header = layout.header_before(answer_prefix)
     segments = (
         _encode(tokenizer, layout.prefix, parse_special_tokens=True),
         encode_text(tokenizer, lead),
         encode_text(tokenizer, context),
         encode_text(tokenizer, question_text),
-        _encode(tokenizer, layout.answer_header, parse_special_tokens=True),
+        _encode(tokenizer, header, parse_special_tokens=True),
+        encode_text(tokenizer, answer_prefix),
     )
     user_message = lead + context + question_text
-    expected_text = layout.prefix + user_message + layout.answer_header
     templated = not completion and tokenizer.chat_template is not None
-    if templated and _render(tokenizer, user_message, system) != expected_text:
+    if templated and _render(tokenizer, user_message, system) != layout.prefix + user_message + layout.answer_header:
         raise KvzipError("the chat template alters the user message, so segment boundaries would not be exact")
-    tokens = _checked_concatenation(tokenizer, segments, expected_text)
+    tokens = _checked_concatenation(tokenizer, segments, layout.prefix + user_message + header + answer_prefix)
     ends = np.cumsum([len(segment) for segment in segments])
     context_start, context_end, question_end = (int(end) for end in ends[1:4])
     return Prompt(tuple(tokens.tolist()), context_start, context_end, question_end)
 
 
 def question_suffix(
-    tokenizer: PreTrainedTokenizerBase, question: str, system: str | None = None, completion: bool = False
+    tokenizer: PreTrainedTokenizerBase,
+    question: str,
+    system: str | None = None,
+    completion: bool = False,
+    answer_prefix: str = "",
 ) -> np.ndarray:
-    """[question | end of user turn | answer header] ids, int32 [T], to append after a [prefix | context] cache.
+    """[question | end of user turn | answer header | answer prefix] ids, int32 [T], to append after a
+    [prefix | context] cache.
 
-    Equal to the tokens after the context in build_prompt(tokenizer, context, question, system, completion=...).
+    Equal to the tokens after the context in build_prompt(tokenizer, context, question, system, completion=...,
+    answer_prefix=...).
     """
     layout = chat_layout(tokenizer, system, completion)
     question_text = layout.question_lead + _stripped(question, "question")
-    answer_header = layout.answer_header
-    segments = (encode_text(tokenizer, question_text), _encode(tokenizer, answer_header, parse_special_tokens=True))
-    return _checked_concatenation(tokenizer, segments, question_text + answer_header)
+    header = layout.header_before(answer_prefix)
+    segments = (
+        encode_text(tokenizer, question_text),
+        _encode(tokenizer, header, parse_special_tokens=True),
+        encode_text(tokenizer, answer_prefix),
+    )
+    return _checked_concatenation(tokenizer, segments, question_text + header + answer_prefix)
 
 
 def follow_up(
@@ -224,12 +250,15 @@ def split_for_reuse(
     system: str | None = None,
     instruction: str | None = None,
     completion: bool = False,
+    answer_prefix: str = "",
 ) -> tuple[Prompt, list[np.ndarray]]:
     """The [prefix | context] part to prefill once (a Prompt whose question and answer header are empty) and,
-    per question, the suffix ids to append to that cache. system, instruction and completion as in build_prompt."""
+    per question, the suffix ids to append to that cache. system, instruction, completion and answer_prefix (every
+    question's) as in build_prompt."""
     full = build_prompt(tokenizer, context, system=system, instruction=instruction, completion=completion)
     context_part = Prompt(full.tokens[: full.context_end], full.context_start, full.context_end, full.context_end)
-    return context_part, [question_suffix(tokenizer, question, system, completion) for question in questions]
+    suffixes = [question_suffix(tokenizer, question, system, completion, answer_prefix) for question in questions]
+    return context_part, suffixes
 
 
 def reread_suffix(

@@ -2,6 +2,7 @@
 data-parallel over two (simulated) devices == one device."""
 
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from kvzip_jax import prompts
 from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.eval import batches, report, runner
 from kvzip_jax.eval import sweep as sw
@@ -109,6 +111,33 @@ def test_every_answer_is_recorded_once_with_its_metrics(batched):
         assert np.isfinite(r["kl"]) and r["example_hash"] == hashes[r["example"]]
         if r["method"] == "full" or r["ratio"] == 1.0:
             assert r["agree"] and r["kl"] == 0.0 and r["flip"] == 0.0
+
+
+def test_prepare_ends_each_question_with_the_answer_prefix_and_keeps_prompts_without_one(model):
+    tokenizer, instruction = model.tokenizer, prompts.KVZIP_INSTRUCTION
+    plain = examples()[1]
+    prefixed = dataclasses.replace(plain, answer_prefix="The code is")
+    (_, context, suffixes), (_, prefixed_context, prefixed_suffixes) = (
+        batches.prepare(tokenizer, [ex], instruction)[0] for ex in (plain, prefixed)
+    )
+    header = prompts.chat_layout(tokenizer).answer_header
+    assert (
+        context == prefixed_context == prompts.split_for_reuse(tokenizer, plain.context, [], instruction=instruction)[0]
+    )
+    for question, suffix, with_prefix in zip(plain.questions, suffixes, prefixed_suffixes):
+        text = "\n\n" + question + header  # the layout before answer prefixes, id for id
+        assert suffix.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert with_prefix[: len(suffix)].tolist() == suffix.tolist()
+        assert tokenizer.decode(with_prefix[len(suffix) :].tolist()) == "The code is"
+    fields = [
+        plain.context,
+        list(plain.questions),
+        [list(a) for a in plain.answers],
+        plain.metric,
+        plain.max_new_tokens,
+    ]
+    assert batches.example_hash(plain) == hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
+    assert batches.example_hash(prefixed) != batches.example_hash(plain)
 
 
 def test_compression_moves_distributions_more_the_less_it_keeps(batched):

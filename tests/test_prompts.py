@@ -1,5 +1,6 @@
 """Prompt layout on the three bundled tokenizers (read from their GGUF files), and the bundled demo data."""
 
+import copy
 import functools
 import importlib.resources
 import json
@@ -127,7 +128,7 @@ def test_layouts_of_the_bundled_tokenizers():
     assert qwen.prefix.endswith("You are a helpful assistant.<|im_end|>\n<|im_start|>user\n")
     assert qwen.answer_header == chatml_header
     gemma = prompts.chat_layout(load_tokenizer("gemma3"))  # base model: no chat template
-    assert gemma == prompts.ChatLayout(prefix="<bos>", answer_header=prompts.PLAIN_ANSWER_HEADER)
+    assert gemma == prompts.ChatLayout("<bos>", prompts.PLAIN_ANSWER_HEADER, answer_cue=prompts.ANSWER_CUE)
     assert prompts.chat_layout(load_tokenizer("gemma3"), system="Be brief.").prefix == "<bos>Be brief.\n\n"
 
 
@@ -156,6 +157,33 @@ def test_question_suffix_appends_to_the_context_part(tokenizer):
         assert np.array_equal(np.concatenate([context_part.ids(), suffix]), full.ids())
         assert context_part.context_slice == full.context_slice
         assert np.array_equal(suffix, prompts.question_suffix(tokenizer, question))
+
+
+ANSWER_PREFIX = "The special magic number for tidy-lamp mentioned in the provided text is"
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5"])
+def test_an_answer_prefix_opens_the_answer_in_every_layout(name):
+    """Chat: after the opened assistant turn (kvpress's layout, one-pass tokenization); plain and completion: in
+    place of the "Answer:" cue; "" leaves every layout as it was."""
+    tokenizer = load_tokenizer(name)
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    question = "What is the special magic number for tidy-lamp mentioned in the provided text? "
+    header, asked = prompts.chat_layout(tokenizer).answer_header, question.strip()
+    for tok, completion, without, before in (
+        (tokenizer, False, "\n\n" + asked + header, "\n\n" + asked + header),
+        (tokenizer, True, "\n\nQuestion: " + asked + "\nAnswer:", "\n\nQuestion: " + asked + "\n"),
+        (plain, False, "\n\n" + asked + "\n\nAnswer:", "\n\n" + asked + "\n\n"),
+    ):
+        suffix = prompts.question_suffix(tok, question, completion=completion, answer_prefix=ANSWER_PREFIX)
+        assert decode(tok, suffix) == before + ANSWER_PREFIX
+        assert decode(tok, prompts.question_suffix(tok, question, completion=completion)) == without
+        full = prompts.build_prompt(tok, DEMO_DOCUMENT, question, completion=completion, answer_prefix=ANSWER_PREFIX)
+        assert np.array_equal(full.ids()[full.context_end :], suffix)
+        assert decode(tok, full.ids()[full.answer_header_slice]).endswith(ANSWER_PREFIX)
+    chat = prompts.question_suffix(tokenizer, question, answer_prefix=ANSWER_PREFIX)
+    assert encode_whole(tokenizer, decode(tokenizer, chat)) == chat.tolist()
 
 
 def test_context_text_is_never_parsed_as_special_tokens():

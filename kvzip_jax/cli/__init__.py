@@ -21,9 +21,9 @@ what they share.
   kvzip-jax chat --model NAME_OR_PATH --context FILE --ratio R [--method M] [--room N] | --cache DIR
       a terminal chat over a compressed document: answers streamed, earlier turns kept after the compressed context
       (never evicted), /bytes, /reset, Ctrl-D exits
-  kvzip-jax eval --model NAME_OR_PATH [--methods kvzip,snapkv,...] [--ratios 1,0.9,...] [--tasks niah,...]
-                 [--jsonl FILE ...] [--contexts N] [--context-tokens N] [--modes reuse,first,oracle] [--out DIR]
-                 [--instruction kvzip|none|TEXT] [--process-index I --process-count N]
+  kvzip-jax eval --model NAME_OR_PATH [--methods kvzip,snapkv,...] [--ratios 1,0.9,...] [--tasks niah,ruler,...]
+                 [--jsonl FILE ...] [--dataset PATH ...] [--contexts N] [--context-tokens N] [--modes reuse,...]
+                 [--out DIR] [--instruction kvzip|none|TEXT] [--process-index I --process-count N]
       a sweep: every context prefilled and scored once per method, every question answered from every compressed
       cache; results appended to DIR/results.jsonl (a rerun of the same settings resumes; other settings are
       refused), then DIR/summary.md, summary.csv, scores.png. With N processes (flags, else $KVZIP_PROCESS_INDEX and

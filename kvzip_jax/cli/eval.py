@@ -4,21 +4,36 @@ processes, merged, or run as one replica over every process's devices (--distrib
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import time
 from pathlib import Path
 
 from kvzip_jax.cli import common, options
 
+RULER = "ruler"  # --tasks ruler: every RULER task
+OWN_SEED = 0  # --seed's default for the package's own tasks and the random baseline (RULER's: ruler.SEED)
+
 
 def _csv(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def task_names(text: str | None, given_files: bool) -> list[str]:
+    """--tasks as task names, "ruler" standing for every RULER task; default (None or ""): the package's own tasks, or
+    none when --jsonl or --dataset gives examples. Unknown names are left for the caller to refuse."""
+    from kvzip_jax.eval import tasks
+
+    if not text:
+        return [] if given_files else list(tasks.TASKS)
+    return [name for item in _csv(text) for name in (tasks.ruler.TASKS if item == RULER else [item])]
 
 
 def run(args: argparse.Namespace) -> int:
     from kvzip_jax.eval import report, results, tasks
     from kvzip_jax.eval.shares import ProcessShareError, process_share
     from kvzip_jax.eval.sweep import SweepConfig, run_sweep
+    from kvzip_jax.eval.tasks import dataset
 
     if args.merge:
         return _merge(args)
@@ -49,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
             modes=tuple(_csv(args.modes)),
             batch_size=args.batch_size,
             chunk_size=args.chunk_size,
-            seed=args.seed,
+            seed=OWN_SEED if args.seed is None else args.seed,
             instruction=instruction,
             self_study=args.self_study,
             self_study_samples=args.self_study_samples,
@@ -62,10 +77,15 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         args.subparser.error(str(e))
-    names = _csv(args.tasks) if args.tasks else ([] if args.jsonl else list(tasks.TASKS))
-    unknown = sorted(set(names) - set(tasks.TASKS))
+    names = task_names(args.tasks, bool(args.jsonl or args.dataset))
+    unknown = sorted(set(names) - set(tasks.TASKS) - set(tasks.ruler.TASKS))
     if unknown:
-        args.subparser.error(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}")
+        args.subparser.error(
+            f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}, "
+            f"{RULER} (all of {', '.join(tasks.ruler.TASKS)})"
+        )
+    if args.seed is not None and args.seed < 0:
+        args.subparser.error("--seed must be >= 0")
     if args.questions_per_context is not None and args.questions_per_context < 1:
         args.subparser.error("--questions-per-context must be >= 1")
     mesh, writes, share = None, True, ""
@@ -81,15 +101,29 @@ def run(args: argparse.Namespace) -> int:
         if count > 1:
             share = f" (process {index} of {count}: batches {index}, {index + count}, ... of them)"
 
+    datasets = [dataset.read(source) for source in args.dataset or []]  # files refused before the model loads
     examples = [ex for path in args.jsonl or [] for ex in tasks.load_jsonl(path)]
-    examples += [ex for name in names for ex in tasks.generate(name, args.contexts, args.seed, args.context_tokens)]
+    examples += [ex for data in datasets for ex in data.examples]
+    own_seed = OWN_SEED if args.seed is None else args.seed
+    examples += [
+        ex
+        for name in names
+        if name not in tasks.ruler.TASKS
+        for ex in tasks.generate(name, args.contexts, own_seed, args.context_tokens)
+    ]
+    twice = sorted(key for key, n in collections.Counter((ex.task, ex.id) for ex in examples).items() if n > 1)
+    if twice:
+        args.subparser.error(f"two examples share a task and id, e.g. {twice[0]}: give each file its own task names")
+
+    model = common.load_model(args)
+    for data in datasets:
+        dataset.check_fits(data, model.tokenizer, model.cfg.max_position, instruction)
+    examples += _ruler_examples(args, [name for name in names if name in tasks.ruler.TASKS], model)
     if args.questions_per_context is not None:
         keep = args.questions_per_context
         examples = [
             dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep]) for ex in examples
         ]
-
-    model = common.load_model(args)
     out = Path(args.out or Path("runs") / model.name)
     path = out / results.results_name(index, count)
     print(
@@ -122,6 +156,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"done in {time.perf_counter() - start:.0f} s; " + ", ".join(str(p) for p in written.values()))
     print((out / "summary.md").read_text())
     return 0
+
+
+def _ruler_examples(args: argparse.Namespace, names: list[str], model) -> list:
+    """--contexts samples of each RULER task, seeded with --seed (default RULER's), each prompt plus its max new
+    tokens within --context-tokens as the model's tokenizer counts them (RULER's max_seq_length)."""
+    from kvzip_jax.eval import tasks
+
+    if names and args.context_tokens > model.cfg.max_position:
+        args.subparser.error(
+            f"--context-tokens {args.context_tokens} passes {model.name}'s maximum position {model.cfg.max_position}"
+        )
+    seed = tasks.ruler.SEED if args.seed is None else args.seed
+    examples = []
+    for name in names:
+        try:
+            examples += tasks.generate(name, args.contexts, seed, args.context_tokens, model.tokenizer)
+        except ValueError as e:  # a length below the task's smallest haystack
+            args.subparser.error(f"--tasks {name} at --context-tokens {args.context_tokens}: {e}")
+    return examples
 
 
 def _start_distributed(args: argparse.Namespace):
@@ -158,6 +211,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> None:
     from kvzip_jax import methods
+    from kvzip_jax.eval.tasks import ruler
 
     parser = subparsers.add_parser("eval", help="sweep methods x ratios x tasks; resumable; table and plot")
     options.add_model(parser, required=False, note="required unless --merge")
@@ -167,15 +221,32 @@ def add_parser(subparsers) -> None:
         help=f"comma-separated, from {','.join(methods.names())} (kvzip-jax methods describes them)",
     )
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
-    parser.add_argument("--tasks", help="comma-separated generated tasks (default: all, unless --jsonl is given)")
+    parser.add_argument(
+        "--tasks",
+        help="comma-separated generated tasks, ruler_* for a RULER task, ruler for all 11 (default: the package's "
+        "own tasks, unless --jsonl or --dataset is given)",
+    )
     parser.add_argument(
         "--jsonl",
         action="append",
         metavar="FILE",
         help="SCBench-style records {context, queries, answers} (repeatable)",
     )
-    parser.add_argument("--contexts", type=int, default=20, help="generated contexts per task")
-    parser.add_argument("--context-tokens", type=int, default=1000, help="approximate size of generated contexts")
+    parser.add_argument(
+        "--dataset",
+        action="append",
+        metavar="PATH",
+        help="a dataset in kvpress's format (parquet or JSONL: context, question, answer_prefix, answer, "
+        "max_new_tokens, task), or a hub name OWNER/NAME[:DATA_DIR] read through `datasets` when online; rows "
+        "sharing a context share one compressed cache (repeatable)",
+    )
+    parser.add_argument("--contexts", type=int, default=20, help="generated contexts (RULER: samples) per task")
+    parser.add_argument(
+        "--context-tokens",
+        type=int,
+        default=1000,
+        help="approximate size of generated contexts; RULER's max_seq_length in the model's tokens (e.g. 4096)",
+    )
     parser.add_argument(
         "--questions-per-context",
         type=int,
@@ -238,7 +309,12 @@ def add_parser(subparsers) -> None:
         help="--kv-bits 8 / 4 / 8/4: recent tokens kept at full precision",
     )
     options.add_kv_center(parser)
-    parser.add_argument("--seed", type=int, default=0, help="task generation and the random baseline")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help=f"task generation and the random baseline (default {OWN_SEED}; RULER's tasks: {ruler.SEED}, RULER's)",
+    )
     parser.add_argument(
         "--instruction",
         default="kvzip",

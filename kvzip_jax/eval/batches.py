@@ -17,8 +17,10 @@ CAPACITY_MULTIPLE = 64
 
 
 def example_hash(ex: Example) -> str:
-    """16 hex digits of what an example asks (context, questions, answers, metric, answer length)."""
-    text = json.dumps([ex.context, list(ex.questions), [list(a) for a in ex.answers], ex.metric, ex.max_new_tokens])
+    """16 hex digits of what an example asks (context, questions, answers, metric, answer length, and its answer
+    prefix where it has one: an example without keeps the hash it had before prefixes)."""
+    fields = [ex.context, list(ex.questions), [list(a) for a in ex.answers], ex.metric, ex.max_new_tokens]
+    text = json.dumps(fields + ([ex.answer_prefix] if ex.answer_prefix else []))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -28,7 +30,7 @@ class Batch:
 
     examples: tuple[Example, ...]  # the real rows
     contexts: tuple[prompts.Prompt, ...]  # every row's [prefix | context] tokens
-    suffixes: tuple[tuple[np.ndarray, ...], ...]  # per row, per question: [question | answer header] ids
+    suffixes: tuple[tuple[np.ndarray, ...], ...]  # per row, per question: [question | answer header | prefix] ids
 
     @property
     def size(self) -> int:
@@ -52,10 +54,13 @@ Item = tuple[Example, prompts.Prompt, tuple[np.ndarray, ...]]  # an example, its
 
 def prepare(tokenizer, examples: Sequence[Example], instruction: str | None = None) -> list[Item]:
     """Every example tokenized, sorted by (task, context tokens, id): the order batches are cut in (groups_of).
-    instruction: opens every user message before the context (prompts.build_prompt)."""
+    instruction: opens every user message before the context (prompts.build_prompt); each question's suffix ends
+    with the example's answer_prefix."""
     items = []
     for ex in examples:
-        context, suffixes = prompts.split_for_reuse(tokenizer, ex.context, list(ex.questions), instruction=instruction)
+        context, suffixes = prompts.split_for_reuse(
+            tokenizer, ex.context, list(ex.questions), instruction=instruction, answer_prefix=ex.answer_prefix
+        )
         items.append((ex, context, tuple(suffixes)))
     return sorted(items, key=lambda item: (item[0].task, len(item[1]), item[0].id))
 

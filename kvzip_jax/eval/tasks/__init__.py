@@ -1,9 +1,10 @@
-"""Evaluation tasks: offline, deterministic generators (every example one context with several questions) and a
-loader for SCBench-style JSONL task files.
+"""Evaluation tasks: offline, deterministic generators (every example one context with several questions), a
+loader for SCBench-style JSONL task files, and a reader of kvpress-format datasets (dataset.py).
 
     examples = generate("multi_needle", num_contexts=8, seed=0, context_tokens=4000)
     examples = generate("ruler_niah_single_1", 8, seed=42, context_tokens=4096, count_tokens=tokenizer)
     examples = load_jsonl("scbench_kv.jsonl")
+    examples = dataset.read("ruler_4096.parquet").examples
 
 Example i of a task and seed is the same whatever num_contexts is: it draws from its own rng, seeded by
 (seed, i, a number fixed per task name). The RULER tasks (ruler.TASKS, names "ruler_*") are generated as RULER

@@ -16,7 +16,8 @@ class Example:
     of references that occur (variable tracking), "exact", "f1" (token F1), "rouge" (ROUGE-L F), and RULER's
     "string_match_all" (the fraction of references in the lower-cased prediction) and "string_match_part" (any).
     max_new_tokens: the answer length the task needs. answer_prefix: the text a RULER prompt puts after the
-    question, where the answer starts ("Answer:"); "" for none. The sweep's prompts do not add it yet.
+    question, where the answer starts ("Answer:"), which every question's prompt ends with (prompts: after the
+    answer header); "" for none.
     """
 
     task: str
