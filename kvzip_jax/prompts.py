@@ -28,6 +28,11 @@ and the split form is what KVzip itself feeds (it encodes context and query sepa
 that lets one context cache serve many questions. Context and question are stripped of surrounding whitespace
 (templates such as Gemma's trim message content, and a file's final newline would otherwise join the separator).
 Text inside the context and question is never parsed as special tokens.
+
+kvpress_split lays a prompt out as kvpress's pipeline does instead (its ids are kvpress's): [template prefix |
+context] tokenized in one pass, then per question [question | end of turn + answer header | answer prefix] in one
+pass, texts kept as they are and special-token strings parsed; without a chat template, BOS text before the context
+and "\\n" after each question. An instruction's ids go between the template prefix and the context's.
 """
 
 from __future__ import annotations
@@ -261,6 +266,56 @@ def split_for_reuse(
     return context_part, suffixes
 
 
+def kvpress_split(
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    questions: Sequence[str],
+    answer_prefix: str = "",
+    instruction: str | None = None,
+) -> tuple[Prompt, list[np.ndarray]]:
+    """kvpress's layout (KVPressTextGenerationPipeline.preprocess), in split_for_reuse's shape: the [prefix | context]
+    Prompt and, per question, the ids of question + question suffix + answer_prefix, int32 [T].
+
+    Under a chat template the context is rendered as the user message (enable_thinking=False) with a run of "#" after
+    it and cut there: the rendering before the cut is tokenized in one pass, the rest (end of turn, answer header)
+    is the question suffix; without one the tokenizer's BOS text opens the context and the suffix is "\\n". Nothing
+    is stripped. The prefix is the template's text before the context, its ids checked to open the one-pass ids.
+    instruction: its ids (instruction + "\\n\\n", tokenized after the template prefix) go between the prefix and
+    the context's ids, in the prefix; the context keeps kvpress's ids. Raises EmptyInputError on an empty context,
+    question or instruction; KvzipError where the template prefix's ids do not open the one-pass ids (its last
+    token takes in the context's first characters) or ids do not decode to their text.
+    """
+    _stripped(context, "context")
+    for question in questions:
+        _stripped(question, "question")
+    lead = "" if instruction is None else _stripped(instruction, "instruction") + INSTRUCTION_SEPARATOR
+    if tokenizer.chat_template is None:
+        prefix = getattr(tokenizer, "bos_token", None) or ""
+        text, suffix = prefix + context, "\n"
+    else:
+        separator = "#" * (len(context) + 10)
+        parts = _render(tokenizer, context + separator, None, enable_thinking=False).split(separator)
+        prefix_parts = _render(tokenizer, _USER_MESSAGE_MARKER, None, enable_thinking=False).split(_USER_MESSAGE_MARKER)
+        if len(parts) != 2 or len(prefix_parts) != 2:
+            raise KvzipError("the chat template does not place the user message exactly once; cannot find the layout")
+        (text, suffix), prefix = parts, prefix_parts[0]
+    if not text.startswith(prefix):
+        raise KvzipError("the chat template alters the text before the context, so its prefix cannot be cut off")
+    texts = [text, prefix, prefix + lead] + [question + suffix + answer_prefix for question in questions]
+    ids = [np.asarray(tokenizer.encode(t, add_special_tokens=False), dtype=np.int32) for t in texts]
+    (tokens, prefix_ids, lead_ids), suffixes = ids[:3], ids[3:]
+    for opened, what in ((tokens, f"context's start {context[:16]!r}"), (lead_ids, "instruction's start")):
+        if opened[: len(prefix_ids)].tolist() != prefix_ids.tolist():
+            raise KvzipError(
+                f"the template's prefix ({len(prefix_ids)} tokens) does not open the one-pass ids: its end and the "
+                f"{what} make one token, so the never-evicted prefix cannot be cut off"
+            )
+    if any(_decode(tokenizer, part) != expected for part, expected in zip(ids, texts)):
+        raise KvzipError("the ids of kvpress's layout do not decode to its text")
+    tokens = np.concatenate([lead_ids, tokens[len(prefix_ids) :]])
+    return Prompt(tuple(tokens.tolist()), len(lead_ids), len(tokens), len(tokens)), suffixes
+
+
 def reread_suffix(
     tokenizer: PreTrainedTokenizerBase, anchor: Sequence[int] = (), system: str | None = None
 ) -> np.ndarray:
@@ -283,10 +338,10 @@ def _stripped(text: str, what: str) -> str:
     return text.strip()
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, user_message: str, system: str | None) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, user_message: str, system: str | None, **options) -> str:
     system_turn = [] if system is None else [{"role": "system", "content": system}]
     messages = system_turn + [{"role": "user", "content": user_message}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str, parse_special_tokens: bool) -> np.ndarray:

@@ -1,19 +1,24 @@
 """Datasets in kvpress's format (kvzip_jax.eval.tasks.dataset): JSONL and parquet read back, rows of one task and
-context joined into one Example, every bad file refused with a named error naming its row, a hub name refused
-offline; `kvzip-jax eval --dataset` and `--tasks ruler_vt` end to end on a tiny random model (SmolLM2's tokenizer)."""
+context joined into one Example laid out as kvpress lays it out, every bad file refused with a named error naming its
+row, a hub name refused offline, examples written and read back; `kvzip-jax eval --dataset`, `--tasks ruler_vt` and
+`--write-dataset` end to end on a tiny random model (SmolLM2's tokenizer)."""
 
 import dataclasses
+import hashlib
+import itertools
 import json
+import os
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
 from kvzip_jax import cli, prompts
 from kvzip_jax.cli import eval as cli_eval
 from kvzip_jax.errors import ContextTooLongError, DatasetFileError, TaskFileError
-from kvzip_jax.eval import sweep, tasks
-from kvzip_jax.eval.tasks import dataset
+from kvzip_jax.eval import batches, sweep, tasks
+from kvzip_jax.eval.tasks import Example, dataset
 from kvzip_jax.weights import registry
 from tests.conftest import bundled_tokenizer
 
@@ -47,6 +52,7 @@ def check_read(data):
     assert qa.answers == (("2290", "twenty-two ninety"),) and qa.answer_prefix == "" and qa.max_new_tokens == 4
     assert qa.metric == "string_match_part"  # kvpress scores RULER's qa tasks by string_match_part
     assert vt.context == CODE and vt.answer_prefix == "Answer:"
+    assert {ex.layout for ex in data.examples} == {"kvpress"}
 
 
 def test_a_jsonl_file_reads_back_with_the_rows_of_one_context_as_one_example(tmp_path):
@@ -171,12 +177,116 @@ def tokenizer():
 def test_a_prompt_past_the_models_length_is_refused_naming_its_row(tmp_path, tokenizer):
     rows = [ROWS[1], _with(ROWS[0], context=CODE + " Mike." * 50), ROWS[2]]
     data = dataset.read(write_jsonl(tmp_path / "long.jsonl", rows))
-    context, (suffix,) = prompts.split_for_reuse(tokenizer, rows[1]["context"], [rows[1]["question"]],
-                                                 answer_prefix=rows[1]["answer_prefix"])  # fmt: skip
+    context, (suffix,) = prompts.kvpress_split(tokenizer, rows[1]["context"], [rows[1]["question"]],
+                                               rows[1]["answer_prefix"])  # fmt: skip
     need = len(context) + len(suffix) + rows[1]["max_new_tokens"]  # row 1's prompt as the sweep lays it out
     dataset.check_fits(data, tokenizer, need)
     with pytest.raises(ContextTooLongError, match=rf"long.jsonl row 1: its prompt \({need - 8} tokens\) and up to 8"):
         dataset.check_fits(data, tokenizer, need - 1)
+
+
+def test_texts_are_kept_unstripped_and_a_blank_one_refused(tmp_path):
+    row = _with(ROWS[0], context="  " + CODE + "\n", question=" What is the code?\n", answer_prefix=" The code is ")
+    (example,) = dataset.read(write_jsonl(tmp_path / "padded.jsonl", [row])).examples
+    assert (example.context, example.questions, example.answer_prefix) == (
+        row["context"],
+        (row["question"],),
+        row["answer_prefix"],
+    )
+    for column in ("context", "question"):
+        with pytest.raises(DatasetFileError, match=f"row 0: empty {column}"):
+            dataset.read(write_jsonl(tmp_path / "blank.jsonl", [_with(row, **{column: " \n\t"})]))
+
+
+def test_an_example_layout_is_kvzip_or_kvpress():
+    assert Example("t", "t-0", "c", ("q",), (("a",),)).layout == "kvzip"
+    with pytest.raises(ValueError, match=r"layout must be one of \('kvzip', 'kvpress'\), got 'ruler'"):
+        Example("t", "t-0", "c", ("q",), (("a",),), layout="ruler")
+
+
+def test_prepare_lays_each_example_out_as_its_layout_says(tmp_path, tokenizer):
+    kvpress = list(dataset.read(write_jsonl(tmp_path / "ruler.jsonl", ROWS)).examples)
+    kvzip = [dataclasses.replace(ex, id=ex.id + "-kvzip", layout="kvzip") for ex in kvpress]
+    instruction, firsts = prompts.KVZIP_INSTRUCTION, {}
+    for ex, context, suffixes in batches.prepare(tokenizer, kvpress + kvzip, instruction):
+        questions = list(ex.questions)
+        if ex.layout == "kvpress":
+            expected = prompts.kvpress_split(tokenizer, ex.context, questions, ex.answer_prefix, instruction)
+        else:
+            expected = prompts.split_for_reuse(
+                tokenizer, ex.context, questions, instruction=instruction, answer_prefix=ex.answer_prefix
+            )
+        assert context == expected[0] and [s.tolist() for s in suffixes] == [s.tolist() for s in expected[1]]
+        firsts[ex.id] = suffixes[0].tolist()
+    assert firsts["niah-0"] != firsts["niah-0-kvzip"]  # kvpress's has no "\n\n" before the question
+
+
+def test_example_hash_names_the_layout_only_when_it_is_not_kvzip(tmp_path):
+    kvpress = dataset.read(write_jsonl(tmp_path / "ruler.jsonl", ROWS)).examples[0]
+    kvzip = dataclasses.replace(kvpress, layout="kvzip")
+    fields = [kvzip.context, list(kvzip.questions), [list(a) for a in kvzip.answers], kvzip.metric, 8]
+    old = hashlib.sha256(json.dumps(fields + [kvzip.answer_prefix]).encode()).hexdigest()[:16]  # before layouts
+    assert batches.example_hash(kvzip) == old != batches.example_hash(kvpress)
+
+
+def examples_to_write(tokenizer) -> list[Example]:
+    """ROWS' examples, a RULER sample and one of the package's own tasks (layout kvzip, metric inclusion)."""
+    own = tasks.generate("passkey", 1, 0, 300)
+    return [*dataset.grouped(ROWS, "ruler", "ROWS").examples, *tasks.generate("ruler_vt", 1, 42, 1024, tokenizer), *own]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_written_examples_read_back_as_they_were(tmp_path, tokenizer, suffix):
+    if suffix == ".parquet":
+        pytest.importorskip("pyarrow")
+    examples = examples_to_write(tokenizer)
+    assert examples[-1].layout == "kvzip" and examples[-1].metric == "inclusion"
+    path = dataset.write(examples, tmp_path / f"out{suffix}")
+    assert path == tmp_path / f"out{suffix}" and [p.name for p in tmp_path.iterdir()] == [path.name]
+    data = dataset.read(path)
+    assert list(data.examples) == [dataclasses.replace(ex, layout="kvpress") for ex in examples]  # ids kept
+    ends = list(itertools.accumulate(len(ex.questions) for ex in examples))
+    assert data.rows == tuple(tuple(range(end - len(ex.questions), end)) for ex, end in zip(examples, ends))
+    assert dataset.rows_of(examples[:1]) == [
+        dict(context=CODE, question=row["question"], answer_prefix=row["answer_prefix"],
+             answer=[row["answer"]] if isinstance(row["answer"], str) else row["answer"],
+             max_new_tokens=8, task="niah", metric="string_match_all", id="niah-0")
+        for row in (ROWS[0], ROWS[2])
+    ]  # fmt: skip
+
+
+def test_a_write_is_atomic(tmp_path, tokenizer, monkeypatch):
+    examples = examples_to_write(tokenizer)
+    path = dataset.write(examples[:1], tmp_path / "out.jsonl")
+    before = path.read_bytes()
+    bad = dataclasses.replace(examples[1], answers=(("2290", ""),))
+    with pytest.raises(DatasetFileError, match=r"out.jsonl row 2: answer must be"):
+        dataset.write([examples[0], bad], path)
+
+    def failing(source, target):
+        assert Path(source).read_text().count("\n") == sum(len(ex.questions) for ex in examples)  # written whole
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(DatasetFileError, match="cannot write .*out.jsonl: .*No space left on device"):
+        dataset.write(examples, path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+    with pytest.raises(DatasetFileError, match=r"written as .jsonl or .parquet"):
+        dataset.write(examples, tmp_path / "out.csv")
+    with pytest.raises(DatasetFileError, match="no examples to write"):
+        dataset.write([], tmp_path / "none.jsonl")
+    pyarrow = pytest.importorskip("pyarrow")
+    from pyarrow import parquet
+
+    def half_written(table, where):
+        Path(where).write_bytes(b"PAR1 half")
+        raise pyarrow.ArrowInvalid("cannot write the table")
+
+    monkeypatch.setattr(parquet, "write_table", half_written)
+    with pytest.raises(DatasetFileError, match="cannot write .*out.parquet: cannot write the table"):
+        dataset.write(examples, tmp_path / "out.parquet")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
 
 
 # The CLI on a tiny random model.
@@ -272,3 +382,36 @@ def test_a_ruler_length_too_short_or_past_the_model_is_a_usage_error(tiny, capsy
             cli.main(["eval", "--model", "tiny", "--tasks", "ruler_vt", "--context-tokens", tokens])
         assert exit_info.value.code == cli.EXIT_USER_ERROR
         assert fragment in capsys.readouterr().err
+
+
+def test_write_dataset_writes_the_examples_and_runs_no_sweep(tiny, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **k: pytest.fail("the sweep ran"))
+    source = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    path = tmp_path / "out" / "written.parquet"
+    argv = ["eval", "--model", "tiny", "--tasks", "ruler_vt,passkey", "--contexts", "1", "--context-tokens", "1024"]
+    assert cli.main([*argv, "--dataset", str(source), "--write-dataset", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {path}: 9 rows, 5 contexts, 5 tasks (niah, passkey, qa_1, ruler_vt, vt); no sweep" in out
+    expected = [
+        *dataset.read(source).examples,
+        *tasks.generate("passkey", 1, 0, 1024),
+        *tasks.generate("ruler_vt", 1, 42, 1024, tiny.tokenizer),
+    ]
+    assert list(dataset.read(path).examples) == [dataclasses.replace(ex, layout="kvpress") for ex in expected]
+
+
+def test_write_dataset_needs_a_model_only_for_rulers_tasks(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
+    path = tmp_path / "passkey.jsonl"
+    argv = ["eval", "--tasks", "passkey", "--contexts", "2", "--questions-per-context", "1", "--write-dataset"]
+    assert cli.main([*argv, str(path)]) == 0
+    assert [ex.questions for ex in dataset.read(path).examples] == [
+        ex.questions[:1] for ex in tasks.generate("passkey", 2, 0, 1000)
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", "--tasks", "ruler_vt", "--write-dataset", str(path)])
+    assert exit_info.value.code == cli.EXIT_USER_ERROR
+    assert "--write-dataset with RULER's tasks needs --model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--tasks", "passkey"])
+    assert "--model is required (unless --merge or --write-dataset)" in capsys.readouterr().err

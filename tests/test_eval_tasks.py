@@ -254,12 +254,18 @@ GOOD = {"context": "c", "queries": ["q"], "answers": ["a"]}
         (json.dumps({**GOOD, "max_new_tokens": 0}), "max_new_tokens"),
         (json.dumps({**GOOD, "id": 5}), "id"),
         (json.dumps({**GOOD, "answer_prefix": 1}), "answer_prefix"),
+        (json.dumps({**GOOD, "layout": "ruler"}), "layout"),
     ],
 )
 def test_load_jsonl_rejects_a_bad_record_naming_file_and_line(tmp_path, line, message):
     path = write_lines(tmp_path / "bad.jsonl", [json.dumps(GOOD), "", line])
     with pytest.raises(TaskFileError, match=rf"bad\.jsonl:3: .*{message}"):
         load_jsonl(path)
+
+
+def test_load_jsonl_keeps_the_kvzip_layout_unless_a_record_names_one(tmp_path):
+    path = write_lines(tmp_path / "layouts.jsonl", [json.dumps(GOOD), json.dumps({**GOOD, "layout": "kvpress"})])
+    assert [example.layout for example in load_jsonl(path)] == ["kvzip", "kvpress"]
 
 
 def test_load_jsonl_rejects_duplicate_ids(tmp_path):

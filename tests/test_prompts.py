@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvzip_jax import prompts
-from kvzip_jax.errors import EmptyInputError
+from kvzip_jax.errors import EmptyInputError, KvzipError
 from kvzip_jax.weights import registry
 from tests.conftest import bundled_tokenizer
 
@@ -224,3 +224,107 @@ def test_demo_document_length_and_answers():
         assert DEMO_DOCUMENT.count(item["answer"]) == 1, item["answer"]
         positions.append(DEMO_DOCUMENT.index(item["answer"]) / len(DEMO_DOCUMENT))
     assert sorted(int(3 * position) for position in positions) == [0, 1, 2], "answers should sit in each third"
+
+
+# kvpress's layout (prompts.kvpress_split) against kvpress's own preprocessing.
+
+KVPRESS_TOKENIZERS = ("qwen2.5", "smollm2", "gemma3", "qwen2.5-plain")  # gemma3 has no chat template, nor the copy
+RULER_TASKS = ("ruler_niah_single_1", "ruler_vt", "ruler_cwe", "ruler_fwe")
+PADDED = "  A text with leading spaces,\ttabs and  double spaces, then trailing newlines.\n\n"
+
+
+def kvpress_preprocess(tokenizer, context: str, questions: list[str], answer_prefix: str = ""):
+    """kvpress's KVPressTextGenerationPipeline.preprocess (kvpress/pipeline.py) line for line, without torch and
+    truncation: (context ids, [question ids])."""
+    if tokenizer.chat_template is None:
+        bos_token = getattr(tokenizer, "bos_token", "")
+        context = bos_token + context
+        question_suffix = "\n"
+    else:
+        separator = "#" * (len(context) + 10)
+        context = tokenizer.apply_chat_template(
+            [{"role": "user", "content": context + separator}],
+            add_generation_prompt=True,
+            tokenize=False,
+            enable_thinking=False,
+        )
+        context, question_suffix = context.split(separator)
+    questions = [question + question_suffix + answer_prefix for question in questions]
+    context_ids = tokenizer.encode(context, add_special_tokens=False)
+    question_ids = [tokenizer.encode(question, add_special_tokens=False) for question in questions]
+    return context_ids, question_ids
+
+
+@functools.cache
+def kvpress_tokenizer(name: str):
+    """A bundled tokenizer; "NAME-plain": a copy without its chat template."""
+    if not name.endswith("-plain"):
+        return load_tokenizer(name)
+    plain = copy.copy(load_tokenizer(name.removesuffix("-plain")))
+    plain.chat_template = None
+    return plain
+
+
+@functools.cache
+def ruler_example(name: str, task: str):
+    """The first sample of a RULER task at 1024 tokens of the tokenizer."""
+    from kvzip_jax.eval.tasks import ruler
+
+    return ruler.generate(task, 1, 1024, kvpress_tokenizer(name))[0]
+
+
+def template_prefix(tokenizer) -> str:
+    return prompts.chat_layout(tokenizer).prefix if tokenizer.chat_template is not None else tokenizer.bos_token
+
+
+@pytest.mark.parametrize("text", [*RULER_TASKS, "padded"])
+@pytest.mark.parametrize("name", KVPRESS_TOKENIZERS)
+def test_kvpress_split_gives_the_ids_of_kvpress_pipeline(name, text):
+    tokenizer = kvpress_tokenizer(name)
+    if text == "padded":  # SmolLM2's "\n" closing the user header joins leading spaces: its own test below
+        context = PADDED.lstrip() if name == "smollm2" else PADDED
+        questions, answer_prefix = [" Which text? \n", "And the tabs?"], " Answer: "
+    else:
+        example = ruler_example(name, text)
+        context, questions, answer_prefix = example.context, list(example.questions), example.answer_prefix
+    prompt, suffixes = prompts.kvpress_split(tokenizer, context, questions, answer_prefix)
+    context_ids, question_ids = kvpress_preprocess(tokenizer, context, questions, answer_prefix)
+    assert list(prompt.tokens) == context_ids and [suffix.tolist() for suffix in suffixes] == question_ids
+    assert all(suffix.dtype == np.int32 for suffix in suffixes)
+    assert len(prompt) == prompt.context_end == prompt.question_end > prompt.context_start > 0
+    assert decode(tokenizer, prompt.ids()[prompt.prefix_slice]) == template_prefix(tokenizer)
+    assert decode(tokenizer, prompt.ids()[prompt.context_slice]) == context  # not stripped
+    assert decode(tokenizer, suffixes[0]).startswith(questions[0])  # not stripped either
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen2.5", "gemma3"])
+def test_kvpress_split_puts_an_instruction_between_the_template_prefix_and_the_context(name):
+    tokenizer, example = load_tokenizer(name), ruler_example(name, "ruler_vt")
+    prefix = template_prefix(tokenizer) + prompts.KVZIP_INSTRUCTION + "\n\n"
+    plain, plain_suffixes = prompts.kvpress_split(tokenizer, example.context, example.questions, example.answer_prefix)
+    prompt, suffixes = prompts.kvpress_split(
+        tokenizer, example.context, example.questions, example.answer_prefix, prompts.KVZIP_INSTRUCTION
+    )
+    assert prompt.ids()[prompt.prefix_slice].tolist() == tokenizer.encode(prefix, add_special_tokens=False)
+    assert decode(tokenizer, prompt.ids()[prompt.prefix_slice]) == prefix
+    assert prompt.tokens[prompt.context_slice] == plain.tokens[plain.context_slice]  # kvpress's context ids
+    assert [s.tolist() for s in suffixes] == [s.tolist() for s in plain_suffixes]
+    with pytest.raises(EmptyInputError, match="instruction"):
+        prompts.kvpress_split(tokenizer, example.context, example.questions, instruction=" \n")
+
+
+@pytest.mark.parametrize("name, context", [("smollm2", PADDED), ("qwen2.5", "\nA context opening with a newline.")])
+def test_kvpress_split_refuses_a_prefix_whose_last_token_takes_in_the_contexts_first(name, context):
+    tokenizer = load_tokenizer(name)
+    context_ids, _ = kvpress_preprocess(tokenizer, context, ["Why?"])
+    prefix_ids = tokenizer.encode(template_prefix(tokenizer), add_special_tokens=False)
+    assert context_ids[: len(prefix_ids)] != prefix_ids  # kvpress's ids have no token boundary there
+    with pytest.raises(KvzipError, match="make one token, so the never-evicted prefix cannot be cut off"):
+        prompts.kvpress_split(tokenizer, context, ["Why?"])
+
+
+def test_kvpress_split_refuses_an_empty_context_or_question():
+    tokenizer = load_tokenizer("qwen2.5")
+    for context, questions, what in (("  \n", ["Why?"], "context"), ("A context.", ["Why?", " \t"], "question")):
+        with pytest.raises(EmptyInputError, match=what):
+            prompts.kvpress_split(tokenizer, context, questions)

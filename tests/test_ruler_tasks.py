@@ -129,6 +129,7 @@ def test_examples_carry_context_question_prefix_answers_and_budget(name, generat
         assert example.context and example.questions[0] and example.answer_prefix
         assert example.answers == (s.answers,) and all(s.answers)
         assert example.metric == "string_match_all" and example.task == ruler.PREFIX + name
+        assert example.layout == "kvpress"  # laid out as kvpress's pipeline lays it out (prompts.kvpress_split)
         assert example.max_new_tokens == MAX_NEW_TOKENS[name.split("_")[0]]
 
 

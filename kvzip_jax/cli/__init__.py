@@ -29,6 +29,9 @@ what they share.
       refused), then DIR/summary.md, summary.csv, scores.png. With N processes (flags, else $KVZIP_PROCESS_INDEX and
       $KVZIP_PROCESS_COUNT, else jax.process_index() of jax.process_count()), process I sweeps every Nth batch of
       contexts (sorted by length) into DIR/results.I-of-N.jsonl and writes no summary
+  kvzip-jax eval ... --write-dataset PATH
+      no sweep: the examples written in kvpress's format, one row per question, to a .jsonl or .parquet file that
+      --dataset reads back (--model only for RULER's tasks, generated in its tokens)
   kvzip-jax eval --merge --out DIR
       joins the results files of a sweep's processes into DIR/results.jsonl and writes the summary a one-process
       sweep writes (the files must hold one sweep's settings)

@@ -37,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.merge:
         return _merge(args)
-    if args.model is None:
-        args.subparser.error("--model is required (unless --merge)")
+    if args.model is None and not args.write_dataset:
+        args.subparser.error("--model is required (unless --merge or --write-dataset)")
+    if args.write_dataset and args.distributed:
+        args.subparser.error("--write-dataset runs no sweep: no --distributed")
     coordinates = (args.coordinator, args.num_processes, args.process_id)
     if any(c is not None for c in coordinates) and (not args.distributed or None in coordinates):
         args.subparser.error("--coordinator, --num-processes and --process-id go together, with --distributed")
@@ -114,16 +116,14 @@ def run(args: argparse.Namespace) -> int:
     twice = sorted(key for key, n in collections.Counter((ex.task, ex.id) for ex in examples).items() if n > 1)
     if twice:
         args.subparser.error(f"two examples share a task and id, e.g. {twice[0]}: give each file its own task names")
+    ruler_names = [name for name in names if name in tasks.ruler.TASKS]
+    if args.write_dataset:
+        return _write_dataset(args, examples, ruler_names)
 
     model = common.load_model(args)
     for data in datasets:
         dataset.check_fits(data, model.tokenizer, model.cfg.max_position, instruction)
-    examples += _ruler_examples(args, [name for name in names if name in tasks.ruler.TASKS], model)
-    if args.questions_per_context is not None:
-        keep = args.questions_per_context
-        examples = [
-            dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep]) for ex in examples
-        ]
+    examples = _first_questions(args, examples + _ruler_examples(args, ruler_names, model))
     out = Path(args.out or Path("runs") / model.name)
     path = out / results.results_name(index, count)
     print(
@@ -155,6 +155,30 @@ def run(args: argparse.Namespace) -> int:
     written = report.write_report(path, out)
     print(f"done in {time.perf_counter() - start:.0f} s; " + ", ".join(str(p) for p in written.values()))
     print((out / "summary.md").read_text())
+    return 0
+
+
+def _first_questions(args: argparse.Namespace, examples: list) -> list:
+    """The examples asking only their first --questions-per-context questions (all without it)."""
+    keep = args.questions_per_context
+    if keep is None:
+        return examples
+    return [dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep]) for ex in examples]
+
+
+def _write_dataset(args: argparse.Namespace, examples: list, ruler_names: list[str]) -> int:
+    """--write-dataset PATH: the examples, RULER's generated in --model's tokens (the model is loaded only for
+    them), written in kvpress's format (dataset.write); no sweep."""
+    from kvzip_jax.eval.tasks import dataset
+
+    if ruler_names:
+        if args.model is None:
+            args.subparser.error("--write-dataset with RULER's tasks needs --model: their lengths are in its tokens")
+        examples = examples + _ruler_examples(args, ruler_names, common.load_model(args))
+    examples = _first_questions(args, examples)
+    path = dataset.write(examples, args.write_dataset)
+    rows, names = sum(len(ex.questions) for ex in examples), sorted({ex.task for ex in examples})
+    print(f"wrote {path}: {rows} rows, {len(examples)} contexts, {len(names)} tasks ({', '.join(names)}); no sweep")
     return 0
 
 
@@ -323,6 +347,12 @@ def add_parser(subparsers) -> None:
         f'{options.KVZIP_INSTRUCTION_QUOTED}, as bench/quality.py uses; "none" for none',
     )
     parser.add_argument("--out", metavar="DIR", help="output folder (default runs/MODEL)")
+    parser.add_argument(
+        "--write-dataset",
+        metavar="PATH",
+        help="run no sweep: write the examples in kvpress's format to PATH (.jsonl or .parquet, a row per question, "
+        "with its task, metric and example id) and exit; --model is needed only for RULER's tasks (in its tokens)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
         "--process-index",

@@ -17,11 +17,24 @@ CAPACITY_MULTIPLE = 64
 
 
 def example_hash(ex: Example) -> str:
-    """16 hex digits of what an example asks (context, questions, answers, metric, answer length, and its answer
-    prefix where it has one: an example without keeps the hash it had before prefixes)."""
+    """16 hex digits of what an example asks (context, questions, answers, metric, answer length, its answer prefix
+    where it has one and its layout where it is not "kvzip": an example without keeps the hash it had before
+    prefixes and layouts)."""
     fields = [ex.context, list(ex.questions), [list(a) for a in ex.answers], ex.metric, ex.max_new_tokens]
-    text = json.dumps(fields + ([ex.answer_prefix] if ex.answer_prefix else []))
+    extra = ([ex.answer_prefix] if ex.answer_prefix else []) + ([ex.layout] if ex.layout != "kvzip" else [])
+    text = json.dumps(fields + extra)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def laid_out(tokenizer, ex: Example, instruction: str | None = None) -> tuple[prompts.Prompt, list[np.ndarray]]:
+    """An example's [prefix | context] Prompt and per-question suffix ids (int32 [T] each), laid out as its layout
+    says: prompts.kvpress_split for "kvpress", prompts.split_for_reuse for "kvzip"; instruction opens the user
+    message in both, every suffix ends with the example's answer_prefix."""
+    if ex.layout == "kvpress":
+        return prompts.kvpress_split(tokenizer, ex.context, list(ex.questions), ex.answer_prefix, instruction)
+    return prompts.split_for_reuse(
+        tokenizer, ex.context, list(ex.questions), instruction=instruction, answer_prefix=ex.answer_prefix
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +66,12 @@ Item = tuple[Example, prompts.Prompt, tuple[np.ndarray, ...]]  # an example, its
 
 
 def prepare(tokenizer, examples: Sequence[Example], instruction: str | None = None) -> list[Item]:
-    """Every example tokenized, sorted by (task, context tokens, id): the order batches are cut in (groups_of).
-    instruction: opens every user message before the context (prompts.build_prompt); each question's suffix ends
+    """Every example tokenized as its layout says (laid_out), sorted by (task, context tokens, id): the order batches
+    are cut in (groups_of). instruction: opens every user message before the context; each question's suffix ends
     with the example's answer_prefix."""
     items = []
     for ex in examples:
-        context, suffixes = prompts.split_for_reuse(
-            tokenizer, ex.context, list(ex.questions), instruction=instruction, answer_prefix=ex.answer_prefix
-        )
+        context, suffixes = laid_out(tokenizer, ex, instruction)
         items.append((ex, context, tuple(suffixes)))
     return sorted(items, key=lambda item: (item[0].task, len(item[1]), item[0].id))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 METRICS = ("inclusion", "all", "exact", "f1", "rouge", "string_match_all", "string_match_part")
+LAYOUTS = ("kvzip", "kvpress")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +18,9 @@ class Example:
     "string_match_all" (the fraction of references in the lower-cased prediction) and "string_match_part" (any).
     max_new_tokens: the answer length the task needs. answer_prefix: the text a RULER prompt puts after the
     question, where the answer starts ("Answer:"), which every question's prompt ends with (prompts: after the
-    answer header); "" for none.
+    answer header); "" for none. layout: how the prompt is laid out: "kvzip" by prompts.split_for_reuse (context
+    and questions stripped, segments tokenized apart, "\\n\\n" before each question), "kvpress" by
+    prompts.kvpress_split (kvpress's pipeline: the model gets kvpress's ids; RULER's tasks, kvpress-format datasets).
     """
 
     task: str
@@ -28,6 +31,7 @@ class Example:
     metric: str = "inclusion"
     max_new_tokens: int = 32
     answer_prefix: str = ""
+    layout: str = "kvzip"
 
     def __post_init__(self):
         if len(self.questions) != len(self.answers):
@@ -36,3 +40,5 @@ class Example:
             raise ValueError("an example needs at least one question")
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {METRICS}, got {self.metric!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")

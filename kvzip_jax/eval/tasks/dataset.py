@@ -1,18 +1,25 @@
 """Datasets in kvpress's format: rows with the columns kvpress's evaluation reads, from a parquet or JSONL file, or
-from the hub through `datasets`.
+from the hub through `datasets`; and Examples written as such rows.
 
     data = read("ruler_4096.parquet")        # or "ruler.jsonl"; or the hub's "simonjegou/ruler:4096" when online
     check_fits(data, tokenizer, model.cfg.max_position, instruction)
+    write(examples, "ruler_4096.jsonl")      # or .parquet; read(...) gives the examples back
 
 Columns: context, question, answer_prefix (strings; answer_prefix may be ""), answer (a string or a list of strings,
 every one accepted), max_new_tokens (an integer >= 1); task where present (default: the file's stem, a hub
 dataset's name); metric where present (one of base.METRICS; default string_match_part for RULER's qa tasks and
-string_match_all otherwise, as kvpress scores RULER). Rows are numbered from 0 in file order; blank JSONL lines are
-not rows.
+string_match_all otherwise, as kvpress scores RULER); id where present (a non-empty string). Rows are numbered from
+0 in file order; blank JSONL lines are not rows. Texts are kept as they are (not stripped); an empty or blank context
+or question is refused.
 
-Rows of one task and one context become one Example asking their questions in row order, so they share one
-compressed cache (the reuse protocol), as kvpress groups them: its id f"{task}-{first row}", its max_new_tokens the
-first row's (as kvpress takes it); rows of one context must agree on answer_prefix and metric.
+Rows of one task, one context and one id (or none) become one Example asking their questions in row order, so they
+share one compressed cache (the reuse protocol), as kvpress groups them: its id the rows' id, else
+f"{task}-{first row}", its max_new_tokens the first row's (as kvpress takes it), its layout "kvpress" (laid out by
+prompts.kvpress_split: the model gets kvpress's token ids); rows of one context must agree on answer_prefix and
+metric.
+
+write(examples, path) writes one row per question (kvpress's columns, task, metric and the example's id), to a
+".jsonl" or ".parquet" file, atomically (a temporary file in the same folder, renamed into place).
 
 A path that does not exist, unless it ends in a file suffix, is a hub name "owner/name[:data_dir]" (split "test", as
 kvpress loads it), fetched through `datasets` where installed and online. Parquet is read with pyarrow, else with
@@ -24,14 +31,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import os
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
-from kvzip_jax import prompts
 from kvzip_jax.errors import ContextTooLongError, DatasetFileError
+from kvzip_jax.eval.batches import laid_out
 from kvzip_jax.eval.tasks.base import METRICS, Example
 
 COLUMNS = ("context", "question", "answer_prefix", "answer", "max_new_tokens")  # kvpress's; task optional
 FILE_SUFFIXES = (".parquet", ".jsonl", ".json")
+WRITE_SUFFIXES = (".jsonl", ".parquet")
 HUB_SPLIT = "test"
 
 
@@ -55,6 +66,7 @@ class Row:
     answers: tuple[str, ...]
     max_new_tokens: int
     metric: str
+    id: str | None = None
 
 
 def default_metric(task: str) -> str:
@@ -163,17 +175,21 @@ def checked_row(record, task: str, where: str) -> Row:
     metric = record.get("metric", default_metric(row_task))
     if metric not in METRICS:
         raise bad(f"metric must be one of {', '.join(METRICS)}, got {metric!r}")
-    return Row(row_task, text["context"], text["question"], text["answer_prefix"], answers, int(max_new_tokens), metric)
+    row_id = record.get("id")
+    if row_id is not None and (not isinstance(row_id, str) or not row_id):
+        raise bad(f"id must be a non-empty string, got {row_id!r}")
+    fields = (text["context"], text["question"], text["answer_prefix"], answers, int(max_new_tokens), metric, row_id)
+    return Row(row_task, *fields)
 
 
 def grouped(records: list, task: str, source: str) -> Dataset:
-    """The checked rows, those of one task and context joined into one Example (module docstring)."""
+    """The checked rows, those of one task, context and id joined into one Example (module docstring)."""
     if not records:
         raise DatasetFileError(f"{source} holds no rows")
-    groups: dict[tuple[str, str], list[tuple[int, Row]]] = {}
+    groups: dict[tuple[str, str, str | None], list[tuple[int, Row]]] = {}
     for index, record in enumerate(records):
         row = checked_row(record, task, f"{source} row {index}")
-        groups.setdefault((row.task, row.context), []).append((index, row))
+        groups.setdefault((row.task, row.context, row.id), []).append((index, row))
     examples, rows = [], []
     for members in groups.values():
         first_index, first = members[0]
@@ -187,13 +203,14 @@ def grouped(records: list, task: str, source: str) -> Dataset:
         examples.append(
             Example(
                 first.task,
-                f"{first.task}-{first_index}",
+                first.id or f"{first.task}-{first_index}",
                 first.context,
                 tuple(row.question for _, row in members),
                 tuple(row.answers for _, row in members),
                 first.metric,
                 first.max_new_tokens,
                 first.answer_prefix,
+                layout="kvpress",
             )
         )
         rows.append(tuple(index for index, _ in members))
@@ -201,16 +218,10 @@ def grouped(records: list, task: str, source: str) -> Dataset:
 
 
 def check_fits(data: Dataset, tokenizer, max_position: int, instruction: str | None = None) -> None:
-    """ContextTooLongError naming the first row whose prompt, laid out as the sweep lays it out (prompts.
-    split_for_reuse with instruction and the answer prefix), plus its max_new_tokens passes max_position."""
+    """ContextTooLongError naming the first row whose prompt, laid out as the sweep lays it out (batches.laid_out
+    with instruction), plus its max_new_tokens passes max_position."""
     for example, rows in zip(data.examples, data.rows):
-        context, suffixes = prompts.split_for_reuse(
-            tokenizer,
-            example.context,
-            list(example.questions),
-            instruction=instruction,
-            answer_prefix=example.answer_prefix,
-        )
+        context, suffixes = laid_out(tokenizer, example, instruction)
         for row, suffix in zip(rows, suffixes):
             length = len(context) + len(suffix)
             if length + example.max_new_tokens > max_position:
@@ -218,6 +229,61 @@ def check_fits(data: Dataset, tokenizer, max_position: int, instruction: str | N
                     f"{data.source} row {row}: its prompt ({length} tokens) and up to {example.max_new_tokens} new "
                     f"tokens pass the model's {max_position} positions"
                 )
+
+
+def rows_of(examples: Sequence[Example]) -> list[dict]:
+    """kvpress-format rows of examples, one per question in order: context, question, answer_prefix, answer (a list),
+    max_new_tokens, task, metric, id (the example's)."""
+    return [
+        dict(
+            context=ex.context,
+            question=question,
+            answer_prefix=ex.answer_prefix,
+            answer=list(answers),
+            max_new_tokens=ex.max_new_tokens,
+            task=ex.task,
+            metric=ex.metric,
+            id=ex.id,
+        )
+        for ex in examples
+        for question, answers in zip(ex.questions, ex.answers)
+    ]
+
+
+def write(examples: Sequence[Example], path: str | Path) -> Path:
+    """Writes examples' rows (rows_of) to a ".jsonl" or ".parquet" (pyarrow) file, atomically: a temporary file in
+    the same folder, renamed into place; nothing is left at path or beside it on an error. Every row is checked as
+    read checks it first. Returns the path; DatasetFileError on an unknown suffix, no examples, a row read would
+    refuse, or a failed write."""
+    path = Path(path)
+    if path.suffix not in WRITE_SUFFIXES:
+        raise DatasetFileError(f"{path}: a dataset is written as {' or '.join(WRITE_SUFFIXES)}")
+    rows = rows_of(examples)
+    if not rows:
+        raise DatasetFileError(f"{path}: no examples to write")
+    for index, row in enumerate(rows):
+        checked_row(row, row["task"], f"{path} row {index}")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow
+            from pyarrow import parquet
+        except ImportError:
+            raise DatasetFileError(
+                f"{path}: writing parquet needs pyarrow (pip install pyarrow); or write JSONL"
+            ) from None
+    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".parquet":
+            parquet.write_table(pyarrow.Table.from_pylist(rows), temporary)
+        else:
+            temporary.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+        os.replace(temporary, path)
+    except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise DatasetFileError(f"cannot write {path}: {_one_line(error)}") from None
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
 
 
 def _one_line(error: Exception) -> str:

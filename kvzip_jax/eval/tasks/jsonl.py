@@ -3,8 +3,8 @@
     {"context": "...", "queries": ["...", "..."], "answers": ["...", ["...", "..."]], "metric": "inclusion"}
 
 "questions" may stand for "queries"; an answer is a string or a list of accepted strings. Optional fields: "id",
-"task", "metric" (default "inclusion"), "max_new_tokens" (default 32), "answer_prefix" (default ""). Blank lines are
-ignored.
+"task", "metric" (default "inclusion"), "max_new_tokens" (default 32), "answer_prefix" (default ""), "layout" (default
+"kvzip"; "kvpress" lays the prompt out as kvpress's pipeline does: base.Example). Blank lines are ignored.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from kvzip_jax.errors import TaskFileError
-from kvzip_jax.eval.tasks.base import METRICS, Example
+from kvzip_jax.eval.tasks.base import LAYOUTS, METRICS, Example
 
 DEFAULT_METRIC = "inclusion"
 DEFAULT_MAX_NEW_TOKENS = 32
@@ -55,10 +55,13 @@ def parse_record(record, task: str, default_id: str) -> Example:
     answer_prefix = record.get("answer_prefix", "")
     if not isinstance(answer_prefix, str):
         raise ValueError(f'"answer_prefix" must be a string, got {answer_prefix!r}')
+    layout = record.get("layout", "kvzip")
+    if layout not in LAYOUTS:
+        raise ValueError(f'"layout" must be one of {LAYOUTS}, got {layout!r}')
     record_task, record_id = record.get("task", task), record.get("id", default_id)
     if not isinstance(record_task, str) or not isinstance(record_id, str) or not record_task or not record_id:
         raise ValueError('"task" and "id" must be non-empty strings')
-    return Example(record_task, record_id, context, questions, answers, metric, max_new_tokens, answer_prefix)
+    return Example(record_task, record_id, context, questions, answers, metric, max_new_tokens, answer_prefix, layout)
 
 
 def load_jsonl(path: str | Path, task: str | None = None) -> list[Example]:

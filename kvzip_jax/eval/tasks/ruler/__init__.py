@@ -10,7 +10,8 @@ SQuAD and HotpotQA and are not here.
 
 Each Example holds one question: context (instructions, haystack with its needles, few-shot example: what is
 compressed), question, answer_prefix (context + question + answer_prefix is RULER's prompt, cut where kvpress cuts
-it), answers (RULER's outputs), max_new_tokens, metric "string_match_all". Its prompt plus max_new_tokens fits
+it), answers (RULER's outputs), max_new_tokens, metric "string_match_all", layout "kvpress" (the sweep lays the
+prompt out as kvpress's pipeline does, so the model gets kvpress's token ids). Its prompt plus max_new_tokens fits
 max_seq_length tokens as counted by the tokenizer (a HF tokenizer, or a callable counting tokens).
 
 A task's samples come from one run seeded like RULER's (random and numpy's legacy generator seeded with the seed;

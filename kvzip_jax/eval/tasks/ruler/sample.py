@@ -22,10 +22,19 @@ class Sample:
 
 
 def to_example(sample: Sample, family: Family, task: str, example_id: str) -> Example:
-    """One question: context + question + answer_prefix == sample.text; metric string_match_all."""
+    """One question: context + question + answer_prefix == sample.text, none stripped; metric string_match_all;
+    layout "kvpress" (laid out as kvpress's pipeline lays it out: prompts.kvpress_split)."""
     context, question, answer_prefix = split(sample.text, family)
     return Example(
-        task, example_id, context, (question,), (sample.answers,), METRIC, family.max_new_tokens, answer_prefix
+        task,
+        example_id,
+        context,
+        (question,),
+        (sample.answers,),
+        METRIC,
+        family.max_new_tokens,
+        answer_prefix,
+        layout="kvpress",
     )
 
 
