@@ -180,8 +180,14 @@ def test_write_report(tmp_path, records):
         "markdown": "summary.md",
         "csv": "summary.csv",
         "plot": "scores.png",
+        "leaderboard": "leaderboard.csv",  # two tasks (tests/test_leaderboard.py)
     }
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["scores.png", "summary.csv", "summary.md"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "leaderboard.csv",
+        "scores.png",
+        "summary.csv",
+        "summary.md",
+    ]
     md = paths["markdown"].read_text()
     assert md.count("| task | method | mode |") == 3
     assert "| squad | kvzip | reuse | - | 66.7 [50, 100] | 50.0 [50, 50] |" in md

@@ -19,7 +19,7 @@ import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kvzip_jax.eval import results
+from kvzip_jax.eval import leaderboard, results
 from kvzip_jax.eval.statistics import COLUMNS, summarize
 
 # value -> (axis / heading label, cell format); "score" is shown in %.
@@ -31,6 +31,11 @@ VALUES = {
     "flip": ("next-token argmax flip rate", "{:.3f}"),
     "bytes_share": ("bytes of the kept pairs (% of the full cache's)", "{:.1f}"),
 }
+LEADERBOARD_NOTE = (
+    "Average: the unweighted mean over tasks of each task's mean score (%), with its 95% bootstrap interval over "
+    "contexts in brackets; % of full: the average / the full cache's; compression_ratio: 1 - ratio (kvpress's); "
+    "a dash in the average: a task the full cache answered is missing."
+)
 
 
 def read_records(path: str | os.PathLike) -> list[dict]:
@@ -214,8 +219,10 @@ def pareto(rows: Sequence[dict], path: str | os.PathLike, value: str = "normalis
 
 def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Path]:
     """summary.md (normalised score, agreement and KL tables; bytes where the records carry them), summary.csv and
-    scores.png in out_dir, each written atomically, and pareto.png (score against bytes) for a sweep that quantizes;
-    returns their paths under the keys "markdown", "csv", "plot" (and "pareto")."""
+    scores.png in out_dir, each written atomically, pareto.png (score against bytes) for a sweep that quantizes, and
+    for records of more than one task a leaderboard (leaderboard.py: the average over tasks) as summary.md's first
+    section and leaderboard.csv; returns their paths under the keys "markdown", "csv", "plot" (and "leaderboard",
+    "pareto")."""
     records = read_records(jsonl_path)
     if not records:
         raise ValueError(f"{jsonl_path} holds no records")
@@ -227,6 +234,9 @@ def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> d
         "over contexts; agreement: Wilson).\n\n"
     )
     sections = [f"# {records[0]['model']}: {len(records)} answers ({Path(jsonl_path).name})\n"]
+    board = leaderboard.leaderboard(records) if len({r["task"] for r in records}) > 1 else None
+    if board:
+        sections.append(f"## Leaderboard: average over tasks\n\n{LEADERBOARD_NOTE}\n\n{leaderboard.markdown(board)}")
     for value, heading in (
         ("normalised", "Score normalised by the full cache's (%)"),
         ("agree", "Answers equal to the full cache's (%)"),
@@ -240,6 +250,8 @@ def write_report(jsonl_path: str | os.PathLike, out_dir: str | os.PathLike) -> d
         "csv": write_csv(rows, out / "summary.csv"),
         "plot": plot(rows, out / "scores.png"),
     }
+    if board:
+        written["leaderboard"] = leaderboard.write_csv(board, out / "leaderboard.csv")
     if any(r.get("kv_bits", 16) != 16 for r in records):
         scored = any(r["normalised"] is not None for r in rows)  # else (no full-cache answer right) agreement
         written["pareto"] = pareto(rows, out / "pareto.png", "normalised" if scored else "agree")

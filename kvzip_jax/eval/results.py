@@ -133,7 +133,7 @@ def compress(path: str | os.PathLike) -> Path:
         if packed.exists():
             return packed
         raise FileNotFoundError(f"no results file {plain} (nor {packed.name})")
-    _write_atomically(packed, gzip.compress(_complete(read_bytes(plain)), compresslevel=9, mtime=0))
+    write_atomically(packed, gzip.compress(_complete(read_bytes(plain)), compresslevel=9, mtime=0))
     plain.unlink()
     return packed
 
@@ -226,12 +226,12 @@ def merge(folder: str | os.PathLike) -> Path:
     settings, records = merged_records(folder)
     path = Path(folder) / RESULTS_NAME
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    _write_atomically(settings_path(path), json.dumps(settings, indent=1, sort_keys=True))
+    write_atomically(settings_path(path), json.dumps(settings, indent=1, sort_keys=True))
     if packed_path(path).exists():
-        _write_atomically(packed_path(path), gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
+        write_atomically(packed_path(path), gzip.compress(text.encode("utf-8"), compresslevel=9, mtime=0))
         path.unlink(missing_ok=True)
     else:
-        _write_atomically(path, text)
+        write_atomically(path, text)
     return path
 
 
@@ -262,7 +262,7 @@ class ResultsFile:
                     f"kvzip-jax): write this sweep to another folder"
                 )
             if self.write:
-                _write_atomically(self.settings_path, json.dumps(settings, indent=1, sort_keys=True))
+                write_atomically(self.settings_path, json.dumps(settings, indent=1, sort_keys=True))
             return
         try:
             stored = json.loads(self.settings_path.read_text())
@@ -312,7 +312,7 @@ class ResultsFile:
                 self.examples[r["task"], r["example"]] = r["example_hash"]
 
 
-def _write_atomically(path: Path, data: str | bytes) -> None:
+def write_atomically(path: Path, data: str | bytes) -> None:
     """data (text, or bytes) into a temporary file beside path, fsynced, then renamed onto path."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -50,7 +50,9 @@ Z95 = 1.959964  # two-sided 95% normal quantile
 RESAMPLES = 2000
 
 
-def _check(records: Sequence[dict]) -> None:
+def check_records(records: Sequence[dict]) -> None:
+    """Raises ValueError on a record lacking a SUMMARIZED field, an unknown mode, a full cache not named method
+    "full", mode "full", ratio 1.0, or records of several models."""
     for i, r in enumerate(records):
         missing = [f for f in SUMMARIZED if f not in r]
         if missing:
@@ -120,7 +122,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     intervals of the module docstring (None where the value is). The rows do not depend on the records' order
     (they are taken in results.record_order), so the shares of a sweep merged give a one-process sweep's.
     """
-    _check(records)
+    check_records(records)
     records = [labelled(r) for r in sorted(records, key=results.record_order)]
     full = {(r["task"], r["example"], r["question"]): float(r["score"]) for r in records if r["method"] == "full"}
     full_bytes = {(r["task"], r["example"]): r["bytes"] for r in records if r["method"] == "full" and "bytes" in r}
