@@ -403,10 +403,14 @@ def test_compress_draws_what_was_kept(capsys, tiny, context_file, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["context.txt", "kept.html", "pics"]  # no temporary left
 
 
-def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_file):
+def test_compress_with_kv_bits_quantizes_what_it_keeps_and_ask_reads_it_as_saved(capsys, tiny, context_file, tmp_path):
     """--kv-bits 8 / 4 / 8/4 quantize the compressed cache: the same kept pairs, fewer bytes (int4 fewer than int8,
     int8 keys beside int4 values between them), an answer either way; centred keys (the default; --no-kv-center) add
-    their centres' bytes; a group that does not split the head dim is a usage error."""
+    their centres' bytes; a group that does not split the head dim is a usage error. ask --kv-bits quantizes a saved
+    unquantized cache on load; a cache saved with --kv-bits 4 or 8/4 is asked as saved (its format in the
+    manifest), and asking it at another width is a usage error."""
+    from kvzip_jax import cache_io
+
     used = {}
     uncentred = ["--no-kv-center"]
     for name, bits, flags in (
@@ -416,6 +420,7 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
         ("8/4", "8/4", uncentred),
         ("4-centred", "4", []),
     ):
+        saved = {"16": "doc.kv", "8/4": "doc84.kv", "4-centred": "doc4.kv"}.get(name)
         argv = [
             "compress",
             "--model",
@@ -435,6 +440,7 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
             "--kv-group",
             "4",
             *flags,
+            *(["--save", str(tmp_path / saved)] if saved else []),
         ]
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
@@ -448,74 +454,32 @@ def test_compress_with_kv_bits_quantizes_what_it_keeps(capsys, tiny, context_fil
     assert used["4-centred"] - used["4"] == 2 * 2 * 8 * 2  # layers x KV heads x head dim, bf16
     with pytest.raises(SystemExit) as exit_info:
         cli.main(
-            [
-                "compress",
-                "--model",
-                "tiny",
-                "--context",
-                str(context_file),
-                "--ratio",
-                "0.3",
-                "--question",
-                QUESTION,
-                "--kv-bits",
-                "4",
-                "--kv-group",
-                "3",
-            ]
+            ["compress", "--model", "tiny", "--context", str(context_file), "--ratio", "0.3", "--question", QUESTION]
+            + ["--kv-bits", "4", "--kv-group", "3"]
         )
     assert exit_info.value.code == cli.EXIT_USER_ERROR and "--kv-group: group must be" in capsys.readouterr().err
 
+    def ask(name, *flags):
+        return cli.main(
+            ["ask", "--cache", str(tmp_path / name), "--question", QUESTION, "--max-new-tokens", "4", *flags]
+        )
 
-def test_a_saved_cache_is_quantized_on_ask_or_asked_as_saved(capsys, tiny, context_file, tmp_path):
-    """ask --kv-bits quantizes a saved unquantized cache on load; a cache saved with --kv-bits 4 or 8/4 is asked as
-    saved (its format in the manifest), and asking it at another width is a usage error."""
-    from kvzip_jax import cache_io
-
-    base = [
-        "compress",
-        "--model",
-        "tiny",
-        "--context",
-        str(context_file),
-        "--ratio",
-        "0.3",
-        "--question",
-        QUESTION,
-        "--max-new-tokens",
-        "4",
-        "--chunk-size",
-        "64",
-        "--kv-group",
-        "4",
-        "--save",
-    ]
-    assert cli.main(base + [str(tmp_path / "doc.kv")]) == 0
-    assert cli.main(base + [str(tmp_path / "doc4.kv"), "--kv-bits", "4"]) == 0
-    assert cli.main(base + [str(tmp_path / "doc84.kv"), "--kv-bits", "8/4"]) == 0
-    capsys.readouterr()
-    ask = lambda name, *flags: cli.main(
-        ["ask", "--cache", str(tmp_path / name), "--question", QUESTION, "--max-new-tokens", "4", *flags]
-    )
-    assert ask("doc.kv", "--kv-bits", "8", "--kv-group", "4") == 0
-    out = capsys.readouterr().out
-    assert ", int8, " in out and out.count("\nA: ") == 1
+    for name, flags, label in (("doc.kv", ("--kv-bits", "8", "--kv-group", "4"), "int8"), ("doc4.kv", (), "int4")):
+        assert ask(name, *flags) == 0
+        out = capsys.readouterr().out
+        assert f", {label}, " in out and out.count("\nA: ") == 1
     layout = cache_io.read_manifest(tmp_path / "doc4.kv")["layers"][0]
     assert layout["bits"] == 4 and "key_center" in layout["fields"]
-    assert ask("doc4.kv") == 0
-    out = capsys.readouterr().out
-    assert ", int4, " in out and out.count("\nA: ") == 1
-    with pytest.raises(SystemExit) as exit_info:
-        ask("doc4.kv", "--kv-bits", "8")
-    assert exit_info.value.code == cli.EXIT_USER_ERROR and "saved with --kv-bits 4" in capsys.readouterr().err
     manifest = cache_io.read_manifest(tmp_path / "doc84.kv")  # values in other bits than keys: layout 4
     assert (manifest["layers"][0]["bits"], manifest["layers"][0]["v_bits"], manifest["layout_version"]) == (8, 4, 4)
     assert ask("doc84.kv") == 0
     out = capsys.readouterr().out
     assert ", k8v4, " in out and out.count("\nA: ") == 1
-    with pytest.raises(SystemExit) as exit_info:
-        ask("doc84.kv", "--kv-bits", "4")
-    assert exit_info.value.code == cli.EXIT_USER_ERROR and "saved with --kv-bits 8/4" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_info:
-        ask("doc.kv", "--kv-bits", "4/8")
-    assert exit_info.value.code == cli.EXIT_USER_ERROR and "8/4 (int8 keys, int4 values)" in capsys.readouterr().err
+    for name, bits, message in (
+        ("doc4.kv", "8", "saved with --kv-bits 4"),
+        ("doc84.kv", "4", "saved with --kv-bits 8/4"),
+        ("doc.kv", "4/8", "8/4 (int8 keys, int4 values)"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            ask(name, "--kv-bits", bits)
+        assert exit_info.value.code == cli.EXIT_USER_ERROR and message in capsys.readouterr().err

@@ -55,6 +55,7 @@ def minutes(qwen):
     return full, at
 
 
+@pytest.mark.extended  # KVzip 0.3 answering right on these weights: the int4 regression test below (16-bit half)
 @pytest.mark.slow
 def test_ratio_0_3_holds_todays_floor(minutes):
     """The level measured today (5/6 right, full cache 6/6; 1/6 answers equal the full cache's), as a floor that a
