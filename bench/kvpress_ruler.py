@@ -348,7 +348,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     src.add_argument("--gguf", help="GGUF file (transformers dequantizes it to float32)")
     src.add_argument("--model-path", help="HF model folder (config, weights, tokenizer)")
     p.add_argument("--dataset", required=True, help="kvpress-format rows plus id, JSONL (or parquet)")
-    p.add_argument("--presses", default="none,kvzip,snapkv,streaming_llm", help=f"comma-separated, of {PRESSES}")
+    p.add_argument(
+        "--presses",
+        default="none,kvzip,snapkv,streaming_llm",
+        help=f'comma-separated, of {PRESSES}; "" with --dump-ids: only the ids',
+    )
     p.add_argument("--compression-ratios", default="0.7", help="comma-separated fractions removed, in (0, 1)")
     p.add_argument("--out", required=True, help="JSONL answers, appended (a rerun resumes)")
     p.add_argument("--limit-contexts", type=int, metavar="N", help="the first N contexts of each task")
@@ -359,7 +363,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.presses = parse_list(args.presses)
     unknown = [x for x in args.presses if x not in PRESSES]
-    if unknown or not args.presses:
+    if unknown or not (args.presses or args.dump_ids):
         p.error(f"--presses: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(PRESSES)}")
     try:
         args.compression_ratios = [float(x) for x in parse_list(args.compression_ratios)]
