@@ -150,10 +150,13 @@ def _pictures(args: argparse.Namespace, model, masked, context) -> None:
 
 def _kv_layout(keys, values, head_dim: int) -> str:
     """ "int4 in groups of 16", or "int8 keys in groups of 64, int4 values in groups of 16"."""
-    groups = lambda fmt: f"int{fmt.bits} {{}}in groups of {min(fmt.group, head_dim)}"
+
+    def described(fmt, what: str = "") -> str:
+        return f"int{fmt.bits} {what}in groups of {min(fmt.group, head_dim)}"
+
     if keys == values:
-        return groups(keys).format("")
-    return f"{groups(keys).format('keys ')}, {groups(values).format('values ')}"
+        return described(keys)
+    return f"{described(keys, 'keys ')}, {described(values, 'values ')}"
 
 
 def _save(args: argparse.Namespace, model, compressed, context) -> None:
