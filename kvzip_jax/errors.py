@@ -35,3 +35,8 @@ class TaskFileError(KvzipError):
 
 class DatasetFileError(TaskFileError):
     """A dataset in kvpress's format (a parquet or JSONL file, or a hub name) is missing, unreadable or malformed."""
+
+
+class RulerDataMissingError(TaskFileError):
+    """A RULER task's outside data set (SQuAD v2.0 dev for ruler_qa_1, HotpotQA dev distractor for ruler_qa_2) is
+    not given, or not where it was said to be."""

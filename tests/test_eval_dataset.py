@@ -337,8 +337,9 @@ def test_eval_refuses_a_context_past_the_models_length_naming_its_row(tiny, monk
     assert err.count("\n") == 1 and f"{path} row 1: its prompt (" in err and "model's 80 positions" in err
 
 
-def test_tasks_ruler_stands_for_every_ruler_task_and_the_default_stays_the_packages_own():
-    assert cli_eval.task_names("ruler", False) == list(tasks.ruler.TASKS)
+def test_tasks_ruler_stands_for_every_offline_ruler_task_and_the_default_stays_the_packages_own():
+    assert cli_eval.task_names("ruler", False) == list(tasks.ruler.OFFLINE)  # not the QA tasks, which need data
+    assert cli_eval.task_names("ruler,ruler_qa_1", False) == [*tasks.ruler.OFFLINE, "ruler_qa_1"]
     assert cli_eval.task_names("passkey,ruler_vt", False) == ["passkey", "ruler_vt"]
     assert cli_eval.task_names(None, False) == list(tasks.TASKS) and cli_eval.task_names(None, True) == []
 

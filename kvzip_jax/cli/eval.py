@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvzip_jax.cli import common, options
 
-RULER = "ruler"  # --tasks ruler: every RULER task
+RULER = "ruler"  # --tasks ruler: every RULER task that needs no outside data set (ruler.OFFLINE)
 OWN_SEED = 0  # --seed's default for the package's own tasks and the random baseline (RULER's: ruler.SEED)
 
 
@@ -20,13 +20,13 @@ def _csv(text: str) -> list[str]:
 
 
 def task_names(text: str | None, given_files: bool) -> list[str]:
-    """--tasks as task names, "ruler" standing for every RULER task; default (None or ""): the package's own tasks, or
-    none when --jsonl or --dataset gives examples. Unknown names are left for the caller to refuse."""
+    """--tasks as task names, "ruler" standing for RULER's 11 offline tasks; default (None or ""): the package's own
+    tasks, or none when --jsonl or --dataset gives examples. Unknown names are left for the caller to refuse."""
     from kvzip_jax.eval import tasks
 
     if not text:
         return [] if given_files else list(tasks.TASKS)
-    return [name for item in _csv(text) for name in (tasks.ruler.TASKS if item == RULER else [item])]
+    return [name for item in _csv(text) for name in (tasks.ruler.OFFLINE if item == RULER else [item])]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         args.subparser.error(
             f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(tasks.TASKS)}, "
-            f"{RULER} (all of {', '.join(tasks.ruler.TASKS)})"
+            f"{RULER} (all of {', '.join(tasks.ruler.OFFLINE)}), {', '.join(tasks.ruler.QA_TASKS)}"
         )
+    tasks.ruler.check_data(names)  # the QA tasks' data sets, before the model loads (RulerDataMissingError)
     if args.seed is not None and args.seed < 0:
         args.subparser.error("--seed must be >= 0")
     if args.questions_per_context is not None and args.questions_per_context < 1:
@@ -160,8 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _first_questions(args: argparse.Namespace, examples: list) -> list:
     """The examples asking only their first --questions-per-context questions (all without it)."""
-    keep = args.questions_per_context
-    if keep is None:
+    if (keep := args.questions_per_context) is None:
         return examples
     return [dataclasses.replace(ex, questions=ex.questions[:keep], answers=ex.answers[:keep]) for ex in examples]
 
@@ -247,8 +247,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
     parser.add_argument(
         "--tasks",
-        help="comma-separated generated tasks, ruler_* for a RULER task, ruler for all 11 (default: the package's "
-        "own tasks, unless --jsonl or --dataset is given)",
+        help="comma-separated generated tasks, ruler_* for a RULER task, ruler for the 11 needing no data set "
+        "(default: the package's own tasks, unless --jsonl or --dataset is given)",
     )
     parser.add_argument(
         "--jsonl",

@@ -8,8 +8,6 @@ import dataclasses
 from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.eval.tasks.ruler.templates import Family, split
 
-METRIC = "string_match_all"
-
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
@@ -22,8 +20,9 @@ class Sample:
 
 
 def to_example(sample: Sample, family: Family, task: str, example_id: str) -> Example:
-    """One question: context + question + answer_prefix == sample.text, none stripped; metric string_match_all;
-    layout "kvpress" (laid out as kvpress's pipeline lays it out: prompts.kvpress_split)."""
+    """One question: context + question + answer_prefix == sample.text, none stripped; the family's metric
+    (string_match_all; QA's string_match_part); layout "kvpress" (laid out as kvpress's pipeline lays it out:
+    prompts.kvpress_split)."""
     context, question, answer_prefix = split(sample.text, family)
     return Example(
         task,
@@ -31,7 +30,7 @@ def to_example(sample: Sample, family: Family, task: str, example_id: str) -> Ex
         context,
         (question,),
         (sample.answers,),
-        METRIC,
+        family.metric,
         family.max_new_tokens,
         answer_prefix,
         layout="kvpress",

@@ -3,8 +3,8 @@ task template, the answer prefix that follows it in the prompt, the max new toke
 a prompt into context, question and answer prefix.
 
 NOISE is the line the noise haystacks repeat, NEEDLE a NIAH needle (its {kind} always plural).
-Placeholders: {kind} the needle value type (NIAH), {context} the haystack, {query} the key(s) or value asked about,
-{count} the number of variables (variable tracking).
+Placeholders: {kind} the needle value type (NIAH), {context} the haystack (QA: the documents), {query} the key(s)
+or value asked about (QA: the question), {count} the number of variables (variable tracking).
 """
 
 from __future__ import annotations
@@ -19,13 +19,15 @@ NEEDLE = "One of the special magic {kind} for {key} is: {value}."
 @dataclasses.dataclass(frozen=True)
 class Family:
     """One RULER generator's prompt. template + answer_prefix is the whole prompt; question and answer locate the
-    split: the question starts at question's last match, the answer prefix at answer's first match after it."""
+    split: the question starts at question's last match, the answer prefix at answer's first match after it; metric:
+    RULER's score of the family's answers."""
 
     template: str
     answer_prefix: str
     max_new_tokens: int
     question: re.Pattern
     answer: re.Pattern
+    metric: str = "string_match_all"
 
     @property
     def prompt(self) -> str:
@@ -66,6 +68,16 @@ FREQ_WORDS = Family(
     50,
     re.compile(r"Question: Do not provide any explanation\."),
     re.compile(r"Answer:"),
+)
+QA = Family(  # the question's last match: the instruction repeated after the documents
+    "Answer the question based on the given documents. Only give me the answer and do not output any other words."
+    "\n\nThe following are given documents.\n\n{context}\n\nAnswer the question based on the given documents. Only "
+    "give me the answer and do not output any other words.\n\nQuestion: {query}",
+    " Answer:",
+    32,
+    re.compile(r"Answer the question based on the given documents\."),
+    re.compile(r"Answer:"),
+    "string_match_part",
 )
 
 
