@@ -172,6 +172,10 @@ def test_plot_writes_png(tmp_path, records):
     data = path.read_bytes()
     assert data.startswith(PNG_SIGNATURE) and len(data) > 1000
     assert [p.name for p in tmp_path.iterdir()] == ["p.png"]  # no temporary file left behind
+    from PIL import Image
+
+    with Image.open(path) as image:  # a palette PNG (report.save_png), at 120 dpi: 5 x 3.8 inches per panel
+        assert image.mode == "P" and image.size[0] >= 600 and len(image.getcolors()) <= 64
 
 
 def test_write_report(tmp_path, records):
