@@ -356,3 +356,33 @@ def tokenizer_folder(name: str) -> Path:
 def bundled_tokenizer(name: str):
     """The tokenizer of a bundled model (tokenizer_folder's saved copy of its GGUF's)."""
     return tokenizer_from_hf(tokenizer_folder(name))
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """Qwen2.5-Coder's tokenizer (bundled_tokenizer), loaded once per worker."""
+    return bundled_tokenizer(registry.QWEN)
+
+
+@pytest.fixture(scope="session")
+def qwen_count(qwen_tokenizer):
+    """text -> its length in Qwen2.5-Coder's tokens (RULER's length rule counts without special tokens)."""
+    return lambda text: len(qwen_tokenizer.tokenize(text))
+
+
+def sweep_record(task, example, question, method, mode, ratio, score, **extra) -> dict:
+    """One answer's record as the sweep writes it (kvzip_jax.eval.results), for report and leaderboard tests."""
+    defaults = {"prediction": "p", "references": ["r"], "metric": "inclusion", "agree": True, "kl": 0.0, "flip": 0.0}
+    return {
+        "model": "tiny",
+        "task": task,
+        "example": example,
+        "question": question,
+        "method": method,
+        "mode": mode,
+        "ratio": ratio,
+        "score": score,
+        "seconds": 0.1,
+        **defaults,
+        **extra,
+    }

@@ -7,28 +7,13 @@ import json
 import pytest
 
 from kvzip_jax.eval import report, statistics
+from tests.conftest import sweep_record
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def rec(task, example, question, method, mode, ratio, score, agree=True, kl=0.0, flip=0.0):
-    return {
-        "model": "tiny",
-        "task": task,
-        "example": example,
-        "question": question,
-        "method": method,
-        "mode": mode,
-        "ratio": ratio,
-        "prediction": "p",
-        "references": ["r"],
-        "metric": "inclusion",
-        "score": score,
-        "agree": agree,
-        "kl": kl,
-        "flip": flip,
-        "seconds": 0.1,
-    }
+    return sweep_record(task, example, question, method, mode, ratio, score, agree=agree, kl=kl, flip=flip)
 
 
 def full(task, example, question, score):

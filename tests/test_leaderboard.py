@@ -10,30 +10,15 @@ import numpy as np
 import pytest
 
 from kvzip_jax.eval import leaderboard, report
+from tests.conftest import sweep_record
 
 TASKS = ["ruler_cwe", "ruler_niah_single_1", "ruler_vt"]
 
 
 def rec(task, example, question, method, ratio, score, **extra):
     full = method == "full"
-    return {
-        "model": "tiny",
-        "task": task,
-        "example": example,
-        "question": question,
-        "method": method,
-        "mode": "full" if full else "reuse",
-        "ratio": 1.0 if full else ratio,
-        "prediction": "p",
-        "references": ["r"],
-        "metric": "string_match_all",
-        "score": score,
-        "agree": True,
-        "kl": 0.0,
-        "flip": 0.0,
-        "seconds": 0.1,
-        **extra,
-    }
+    mode, ratio = ("full", 1.0) if full else ("reuse", ratio)
+    return sweep_record(task, example, question, method, mode, ratio, score, metric="string_match_all", **extra)
 
 
 # (task, example, question) -> score, per (method, ratio); kvzip at 0.3 never answered ruler_vt

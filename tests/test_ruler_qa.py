@@ -23,7 +23,6 @@ from kvzip_jax.errors import KvzipError, RulerDataMissingError, TaskFileError
 from kvzip_jax.eval.tasks import generate, ruler
 from kvzip_jax.eval.tasks.ruler import qa, templates
 from kvzip_jax.weights import registry
-from tests.conftest import bundled_tokenizer
 
 SEED = 42
 LENGTH = 1024
@@ -126,16 +125,6 @@ def hotpotqa_json() -> list[dict]:
             }
         )
     return records
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return bundled_tokenizer(registry.QWEN)
-
-
-@pytest.fixture(scope="module")
-def count(tokenizer):
-    return lambda text: len(tokenizer.tokenize(text))
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +236,7 @@ def test_the_files_are_read_as_ruler_reads_them(data_env):
 
 
 @pytest.fixture(scope="module")
-def generated(tokenizer, files):
+def generated(qwen_tokenizer, files):
     """NUM_SAMPLES samples of each QA task at LENGTH tokens, seed 42 (the data files named by environment)."""
     cache = {}
 
@@ -257,7 +246,7 @@ def generated(tokenizer, files):
             with pytest.MonkeyPatch.context() as patch:
                 patch.setenv(qa.SQUAD.variable, str(files["squad"]))
                 patch.setenv(qa.HOTPOTQA.variable, str(files["hotpotqa"]))
-                cache[key] = ruler.samples(TASK[name], num_samples, length, tokenizer, seed)
+                cache[key] = ruler.samples(TASK[name], num_samples, length, qwen_tokenizer, seed)
         return cache[key]
 
     return get
@@ -314,10 +303,10 @@ def test_a_prompt_longer_than_every_document_repeats_them_all(generated):
 
 
 @pytest.mark.parametrize("name", ["squad", "hotpotqa"])
-def test_prompt_and_32_new_tokens_fit_within_one_step_of_documents(name, generated, count):
+def test_prompt_and_32_new_tokens_fit_within_one_step_of_documents(name, generated, qwen_count):
     for s in generated(name):
-        used = count(s.text) + 32
-        largest = max(count(f"Document {s.size}:\n{doc}\n\n") for doc in documents(s.text))
+        used = qwen_count(s.text) + 32
+        largest = max(qwen_count(f"Document {s.size}:\n{doc}\n\n") for doc in documents(s.text))
         assert 0 <= LENGTH - used <= (qa.STEP + 1) * largest, (name, used, s.size)
 
 
@@ -335,8 +324,8 @@ def test_examples_are_cut_as_kvpress_cuts_qa_prompts(name, generated):
         assert (example.metric, example.max_new_tokens, example.layout) == ("string_match_part", 32, "kvpress")
 
 
-def test_generate_dispatches_qa_names_with_ids(data_env, tokenizer, generated):
-    examples = generate("ruler_qa_2", 2, seed=SEED, context_tokens=LENGTH, count_tokens=tokenizer)
+def test_generate_dispatches_qa_names_with_ids(data_env, qwen_tokenizer, generated):
+    examples = generate("ruler_qa_2", 2, seed=SEED, context_tokens=LENGTH, count_tokens=qwen_tokenizer)
     assert [ex.id for ex in examples] == [f"ruler_qa_2-{SEED}-0", f"ruler_qa_2-{SEED}-1"]
     assert [ruler.base_prompt(ex) for ex in examples] == [s.text for s in generated("hotpotqa")[:2]]
 

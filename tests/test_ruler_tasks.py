@@ -25,8 +25,6 @@ from numpy.random import RandomState
 from kvzip_jax.eval import metrics
 from kvzip_jax.eval.tasks import TASKS, Example, generate, ruler
 from kvzip_jax.eval.tasks.ruler import common_words, corpus, sample, templates, variable_tracking
-from kvzip_jax.weights import registry
-from tests.conftest import bundled_tokenizer
 
 LENGTH = 4096
 NUM_SAMPLES = 2
@@ -73,23 +71,13 @@ def task_params(names=NAMES):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return bundled_tokenizer(registry.QWEN)
-
-
-@pytest.fixture(scope="module")
-def count(tokenizer):
-    return lambda text: len(tokenizer.tokenize(text))
-
-
-@pytest.fixture(scope="module")
-def generated(tokenizer) -> dict[str, list[sample.Sample]]:
+def generated(qwen_tokenizer) -> dict[str, list[sample.Sample]]:
     """NUM_SAMPLES samples of each task at LENGTH tokens, seed 42, generated once (lazily)."""
     cache: dict[str, list[sample.Sample]] = {}
 
     def get(name: str) -> list[sample.Sample]:
         if name not in cache:
-            cache[name] = ruler.samples(ruler.PREFIX + name, NUM_SAMPLES, LENGTH, tokenizer, SEED)
+            cache[name] = ruler.samples(ruler.PREFIX + name, NUM_SAMPLES, LENGTH, qwen_tokenizer, SEED)
         return cache[name]
 
     return get
@@ -133,8 +121,8 @@ def test_examples_carry_context_question_prefix_answers_and_budget(name, generat
         assert example.max_new_tokens == MAX_NEW_TOKENS[name.split("_")[0]]
 
 
-def test_generate_dispatches_ruler_names(tokenizer, generated):
-    (example,) = generate("ruler_niah_single_1", 1, seed=SEED, context_tokens=LENGTH, count_tokens=tokenizer)
+def test_generate_dispatches_ruler_names(qwen_tokenizer, generated):
+    (example,) = generate("ruler_niah_single_1", 1, seed=SEED, context_tokens=LENGTH, count_tokens=qwen_tokenizer)
     assert example == examples_of("niah_single_1", generated("niah_single_1"))[0]
     assert example.id == f"ruler_niah_single_1-{SEED}-0"
 
@@ -145,11 +133,11 @@ def test_samples_are_byte_identical_to_rulers_own(name, generated):
     assert tuple(digest(s.text, s.answers) for s in generated(name)[: len(expected)]) == expected
 
 
-def test_same_seed_same_samples_and_a_prefix_of_more(tokenizer, generated):
+def test_same_seed_same_samples_and_a_prefix_of_more(qwen_tokenizer, generated):
     for name in ("niah_single_1", "vt", "fwe"):
-        first = ruler.samples(ruler.PREFIX + name, 1, LENGTH, tokenizer, SEED)
+        first = ruler.samples(ruler.PREFIX + name, 1, LENGTH, qwen_tokenizer, SEED)
         assert first == generated(name)[:1]
-        other = ruler.samples(ruler.PREFIX + name, 1, LENGTH, tokenizer, 7)
+        other = ruler.samples(ruler.PREFIX + name, 1, LENGTH, qwen_tokenizer, 7)
         assert other[0].text != first[0].text and other[0].answers != first[0].answers
 
 
@@ -351,22 +339,22 @@ def step_tokens(name: str, s: sample.Sample, count, length: int) -> float:
 
 
 @pytest.mark.parametrize("name", task_params())
-def test_prompt_and_new_tokens_fit_within_one_haystack_step(name, generated, count):
+def test_prompt_and_new_tokens_fit_within_one_haystack_step(name, generated, qwen_count):
     """RULER's rule: prompt + max new tokens <= the length; the haystack is one step short of it at most, plus, for
     cwe and fwe, what a redraw of their words changes (each sample draws its own list or vocabulary after the size
     was fixed on another draw): up to a second step there."""
     for s in generated(name):
-        used = count(s.text) + MAX_NEW_TOKENS[name.split("_")[0]]
+        used = qwen_count(s.text) + MAX_NEW_TOKENS[name.split("_")[0]]
         steps = 2.0 if name in ("cwe", "fwe") else 1.1
-        assert 0 <= LENGTH - used <= steps * step_tokens(name, s, count, LENGTH), (name, used)
+        assert 0 <= LENGTH - used <= steps * step_tokens(name, s, qwen_count, LENGTH), (name, used)
 
 
 @pytest.mark.skipif(not HAS_ESSAYS, reason=f"the essays are not installed: {corpus.ESSAY_INSTALL}")
-def test_length_rule_and_ruler_identity_at_8k(tokenizer, count):
-    (s,) = ruler.samples("ruler_niah_single_2", 1, 8192, tokenizer, SEED)
+def test_length_rule_and_ruler_identity_at_8k(qwen_tokenizer, qwen_count):
+    (s,) = ruler.samples("ruler_niah_single_2", 1, 8192, qwen_tokenizer, SEED)
     assert digest(s.text, s.answers) == RULER_SHA256[("niah_single_2", 8192)][0]
-    used = count(s.text) + 128
-    assert 0 <= 8192 - used <= 1.1 * step_tokens("niah_single_2", s, count, 8192)
+    used = qwen_count(s.text) + 128
+    assert 0 <= 8192 - used <= 1.1 * step_tokens("niah_single_2", s, qwen_count, 8192)
 
 
 # --- the outside text -----------------------------------------------------------------------------------------------
