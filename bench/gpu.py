@@ -36,7 +36,7 @@ import numpy as np
 
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
-from kvzip_jax import kvzip
+from kvzip_jax import kv_bits, kvzip
 from kvzip_jax.config import MLASpec, ModelConfig, RopeSpec, mla_query_scale
 from kvzip_jax.errors import ModelFileError
 from kvzip_jax.kvzip.scoring import RereadInputs, evictable_layers
@@ -464,7 +464,7 @@ def main(argv=None) -> int:
             caches = {"full": full, "masked": masked, "ragged": ragged}
             for bits in KV_BITS:  # KVzip + quantization: the ragged cache's kept pairs in int8 / int4 / k8v4
                 keys, values = kv_formats(bits)
-                label = "k8v4" if bits == "8/4" else f"int{bits}"
+                label = kv_bits.label(bits)
                 caches[f"ragged-{label}"] = kv.quantized(ragged, keys, value_fmt=values)
             for impl in ("xla", "pallas"):
                 decode_figures(

@@ -28,12 +28,12 @@ from kvzip import context_text  # bench/kvzip.py's context: the demo document cu
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, prompts
+from kvzip_jax.kv_bits import KV_BITS
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK, evictable_layers
 from kvzip_jax.quant.groups import QuantFormat, kv_formats
 from kvzip_jax.weights import registry
 
 QUESTION_ROOM = 64
-BITS = (16, 8, 4, "8/4")  # quant.KV_BITS: "8/4" int8 keys beside int4 values
 
 
 def forms(cache, masked, ragged, group: int | None) -> dict:
@@ -41,7 +41,7 @@ def forms(cache, masked, ragged, group: int | None) -> dict:
     out = {}
     for name, base in (("full", cache), ("masked", masked), ("ragged", ragged)):
         out[name, 16] = base
-        for bits in BITS[1:]:
+        for bits in KV_BITS[1:]:
             keys, values = kv_formats(bits, group)
             out[name, bits] = kv.quantized(base, keys, value_fmt=values)
     return out
@@ -127,12 +127,12 @@ def main() -> None:
 
     if args.decode_tokens == 0:  # bytes only
         return
-    ragged_caches = {bits: caches["ragged", bits] for bits in BITS}
+    ragged_caches = {bits: caches["ragged", bits] for bits in KV_BITS}
     seconds = decode_round_robin(model, logits, ragged_caches, args.decode_tokens, args.repeats)
     base = seconds[16]
     print(
         f"\ndecode per token from the ragged cache at {args.ratio} (XLA, best of {args.repeats}, in turns): "
-        + ", ".join(f"{bits} bits {seconds[bits] * 1e3:.1f} ms ({seconds[bits] / base:.2f}x)" for bits in BITS)
+        + ", ".join(f"{bits} bits {seconds[bits] * 1e3:.1f} ms ({seconds[bits] / base:.2f}x)" for bits in KV_BITS)
     )
 
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from kvzip_jax import kv_bits
 from kvzip_jax.eval import report, statistics
 from tests.conftest import sweep_record
 
@@ -184,3 +185,10 @@ def test_write_report(tmp_path, records):
     assert paths["plot"].read_bytes().startswith(PNG_SIGNATURE)
     with pytest.raises(ValueError, match="no records"):
         report.write_report(write_jsonl(tmp_path / "empty.jsonl", []), tmp_path / "out")
+
+
+def test_kv_bits_labels_name_each_storage_and_refuse_others():
+    assert [kv_bits.label(b) for b in kv_bits.KV_BITS] == ["16-bit", "int8", "int4", "k8v4"]
+    assert statistics.labelled(rec("t", "e0", 0, "full", "full", 1.0, 1.0) | {"kv_bits": "8/4"})["method"] == "k8v4"
+    with pytest.raises(ValueError, match="kv bits must be one of"):
+        kv_bits.label(2)

@@ -21,7 +21,7 @@ MAX_LINES = 400
 
 # Lower imports nothing above it, nor anything beside it in its own layer: each layer uses only those below.
 LAYERS = (
-    ("pallas_kernels", "kvzip_jax.errors"),  # pallas_kernels imports nothing from kvzip_jax
+    ("pallas_kernels", "kvzip_jax.errors", "kvzip_jax.kv_bits"),  # pallas_kernels imports nothing from kvzip_jax
     ("kvzip_jax.dtypes", "kvzip_jax.config", "kvzip_jax.quant", "kvzip_jax.prompts"),
     ("kvzip_jax.cache",),
     ("kvzip_jax.sharding",),  # mesh and partition rules: nothing from models/

@@ -7,6 +7,7 @@ import argparse
 import sys
 import time
 
+from kvzip_jax import kv_bits
 from kvzip_jax.cli import common, options
 from kvzip_jax.errors import KvzipError
 
@@ -20,7 +21,7 @@ def run(args: argparse.Namespace) -> int:
     cache = common.quantized(args, cache)
     what = f"{meta.get('method', '?')} at ratio {meta.get('ratio', '?')}" if meta else "a saved cache"
     bits = common.kv_bits(cache)  # as saved, or quantized on load (--kv-bits)
-    what += f", {options.kv_label(bits)}" if bits is not None else ""
+    what += f", {kv_bits.label(bits)}" if bits is not None else ""
     context = meta.get("context", {}).get("tokens", "?")
     print(
         f"model {model.name} and the cache of {args.cache} ({what}, {context} context tokens) loaded in "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from kvzip_jax import dtypes
+from kvzip_jax.kv_bits import KV_BITS
 from kvzip_jax.prompts import KVZIP_INSTRUCTION, named_instruction
 from pallas_kernels.dispatch import IMPLS
 
@@ -65,7 +66,6 @@ def instruction(args) -> str | None:
     return named_instruction(args.instruction)
 
 
-KV_BITS = (16, 8, 4, "8/4")  # quant.KV_BITS, named here so that --help imports no jax
 KV_WINDOW = 128  # cache.WINDOW, likewise
 
 
@@ -75,11 +75,6 @@ def kv_bits(text: str) -> int | str:
     if bits not in KV_BITS:
         raise argparse.ArgumentTypeError(f"must be one of 16, 8, 4, 8/4 (int8 keys, int4 values), got {text!r}")
     return bits
-
-
-def kv_label(bits: int | str) -> str:
-    """How the CLI names quantized pairs: "int8", "int4", "k8v4"."""
-    return "k8v4" if bits == "8/4" else f"int{bits}"
 
 
 def add_kv_bits(parser, saved: bool = False) -> None:

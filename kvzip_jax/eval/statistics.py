@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvzip_jax import kv_bits
 from kvzip_jax.eval import results
 
 MODES = ("full", "reuse", "first", "oracle")
@@ -74,7 +75,7 @@ def labelled(record: dict) -> dict:
     bits = record.get("kv_bits", 16)
     if bits == 16:
         return record
-    label = "k8v4" if bits == "8/4" else f"int{bits}"
+    label = kv_bits.label(bits)
     if record["method"] == "full":
         return {**record, "method": label, "mode": "reuse"}
     return {**record, "method": f"{record['method']}+{label}"}

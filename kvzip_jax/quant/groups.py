@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvzip_jax.kv_bits import KV_BITS
+
 BITS = (8, 4)
 DEFAULT_GROUP = {8: 64, 4: 16}  # elements per scale when none is given (int4: four scales per head of 64)
-KV_BITS = (16, 8, 4, "8/4")  # a cache's kept pairs: the model's dtype, int8, int4, or int8 keys beside int4 values
 SCALE_DTYPES = ("bfloat16", "float16")
 ALONG = ("head_dim", "tokens")
 
