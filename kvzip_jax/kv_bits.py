@@ -1,5 +1,5 @@
-"""The bits a cache's kept pairs are stored in, and the names reports and the CLI give them. No jax: --help and the
-reports import it.
+"""The bits a cache's kept pairs are stored in, and the names reports and the CLI give them (a leaf module: quant,
+the CLI's options and the reports share it).
 
 16 is the model's dtype; 8 and 4 quantize keys and values alike (int8, int4); "8/4" stores int8 keys beside int4
 values ("k8v4").
