@@ -1,6 +1,6 @@
 """The `kvzip-jax` command, one module per subcommand (convert, head_scores, compress, ask, chat, eval, methods),
-each with add_parser(subparsers) and run(args) -> exit code; options.py holds the options several take (eval_options.py eval's own), common.py
-what they share.
+each with add_parser(subparsers) and run(args) -> exit code; options.py holds the options several take,
+eval_options.py eval's own flags, common.py what they share.
 
   kvzip-jax convert --hf DIR | --gguf FILE --out checkpoints/NAME [--overwrite] [--dtype bfloat16] [--mesh D,S,T]
   kvzip-jax convert --bundled NAME [--out DIR]      (default out: $KVZIP_CHECKPOINTS or ./checkpoints, /NAME)
