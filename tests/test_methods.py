@@ -68,6 +68,7 @@ def _assert_same_cache(a: kv.KVCache, b: kv.KVCache) -> None:
     "name",
     [
         "kvzip",
+        "kvzip-plus",
         "snapkv",
         *(pytest.param(n, marks=pytest.mark.heavy) for n in ("h2o", "pyramidkv", "streamingllm", "random")),
     ],
@@ -77,8 +78,9 @@ def test_an_eviction_entry_is_its_scores_budget_rule_and_mask(setup, name):
     method = methods.get(name)
     given = _only(method, inputs)
     got = jax.jit(method.compress)(params, cfg, cache, given, 0.3)
-    if name == "kvzip":
-        want, _ = kvzip.score_and_evict(params, cfg, cache, inputs.reread, 0.3)
+    if name.startswith("kvzip"):  # kvzip-plus: KVzip+ normalised scores (test_kvzip_score, test_kvzip_real)
+        want, _ = kvzip.score_and_evict(params, cfg, cache, inputs.reread, 0.3, method.options)
+        assert method.options.kvzip_plus == (name == "kvzip-plus")
     else:
         scores = baselines.baseline_scores(
             name,
@@ -125,7 +127,7 @@ def test_prepare_once_then_finish_per_ratio_is_compress(setup):
 
 def test_names_options_and_inputs_are_checked(setup):
     cfg, params, cache, inputs = setup
-    with pytest.raises(methods.MethodError, match="unknown method 'magic'; choose from kvzip, h2o"):
+    with pytest.raises(methods.MethodError, match="unknown method 'magic'; choose from kvzip, kvzip-plus, h2o"):
         methods.get("magic")
     with pytest.raises(methods.MethodError, match="registered already"):
         methods.register(methods.get("kvzip"))

@@ -81,6 +81,20 @@ KVZIP = register(
         uses=("kvzip_scores",),
     )
 )
+register(
+    Method(
+        name="kvzip-plus",
+        family="eviction",
+        question_aware=False,
+        paper="KVzip+, kvpress (KVzap, arXiv 2601.07891)",
+        description="KVzip's reread with each score normalised: a reread row's attention over the norm of its "
+        "query's hidden state, times the norm of the head's write W_O v to the residual stream",
+        options=kvzip.KVzipConfig(kvzip_plus=True),
+        prepare=_kvzip_scores,
+        finish=_kvzip_finish,
+        needs=("reread",),
+    )
+)
 _REPLAY = ("context_tokens",)  # the context's ids: replayed by the attention baselines, its width for the others
 register(
     _baseline(
