@@ -30,6 +30,7 @@ LAYERS = (
     ("kvzip_jax.kvzip", "kvzip_jax.cache_io"),
     ("kvzip_jax.baselines",),  # they reuse kvzip's observation and budgets
     ("kvzip_jax.matching",),
+    ("kvzip_jax.scorers",),  # trained scorers: their models, features (the forward's observer) and training data
     ("kvzip_jax.methods",),  # the registry of every method: kvzip, baselines, matching
     ("kvzip_jax.eval",),
     ("kvzip_jax.cli", "kvzip_jax.demo", "kvzip_jax"),  # kvzip_jax: the package's own __init__, its public face

@@ -1,6 +1,6 @@
-"""The `kvzip-jax` command, one module per subcommand (convert, head_scores, compress, ask, chat, eval, methods),
-each with add_parser(subparsers) and run(args) -> exit code; options.py holds the options several take,
-eval_options.py eval's own flags, common.py what they share.
+"""The `kvzip-jax` command, one module per subcommand (convert, head_scores, compress, ask, chat, eval, methods,
+train_scorer), each with add_parser(subparsers) and run(args) -> exit code; options.py holds the options several
+take, eval_options.py eval's own flags, common.py what they share.
 
   kvzip-jax convert --hf DIR | --gguf FILE --out checkpoints/NAME [--overwrite] [--dtype bfloat16] [--mesh D,S,T]
   kvzip-jax convert --bundled NAME [--out DIR]      (default out: $KVZIP_CHECKPOINTS or ./checkpoints, /NAME)
@@ -8,6 +8,9 @@ eval_options.py eval's own flags, common.py what they share.
       once per model: per-(layer, KV head) scores for --level head, saved beside the checkpoint (head_scores.json)
   kvzip-jax methods [NAME]
       the compression methods (methods registry) as a markdown table, or one method's inputs and options
+  kvzip-jax train-scorer --model NAME_OR_PATH --kind gate|linear [--texts N] [--held-out N] [--out DIR]
+      a scorer that needs no reread (fast-kvzip's gate, kvzap's regressor) from texts the model writes; resumable
+      (texts and features in <checkpoints>/MODEL/scorers/data); weights and manifest to <checkpoints>/MODEL/scorers/KIND
   kvzip-jax compress --model NAME_OR_PATH --context FILE --ratio R [--method kvzip|am-hak|...]
                      [--level pair|pair-uniform|layer|head] [--question Q ...] [--questions FILE]
                      [--max-new-tokens N] [--chunk-size M] [--save DIR] [--plot PNG] [--html FILE]
@@ -49,7 +52,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvzip_jax.cli import ask, chat, compress, convert, head_scores, methods
+from kvzip_jax.cli import ask, chat, compress, convert, head_scores, methods, train_scorer
 from kvzip_jax.cli import eval as eval_command
 from kvzip_jax.cli.head_scores import head_scores_path
 from kvzip_jax.errors import KvzipError
@@ -58,7 +61,7 @@ __all__ = ["EXIT_USER_ERROR", "build_parser", "head_scores_path", "main"]
 
 EXIT_USER_ERROR = 2
 # in the order `kvzip-jax --help` lists them
-COMMANDS = (convert, head_scores, compress, ask, chat, eval_command, methods)
+COMMANDS = (convert, head_scores, compress, ask, chat, eval_command, methods, train_scorer)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -182,6 +182,7 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
     from kvzip_jax import cache as kv
     from kvzip_jax import kvzip, matching, methods
     from kvzip_jax.kvzip.scoring import chunk_progress, evictable_layers
+    from kvzip_jax.scorers import scorer
 
     prefix_len, context_len = context.context_start, len(context) - context.context_start
     if args.level == "head":
@@ -198,6 +199,7 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
         reread=lambda: reread,
         context_tokens=lambda: jnp.asarray([row], jnp.int32),
         key=lambda: jnp.stack([jax.random.key(0)]),
+        scorer=lambda: scorer.load(model, options.kind, args.scorer),
         probes=lambda: (
             matching.self_study.probes(model.params, model.cfg, model.tokenizer, cache) if args.self_study else None
         ),

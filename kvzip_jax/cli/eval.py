@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             kv_group=args.kv_group,
             kv_window=args.kv_window,
             kv_center=args.kv_center,
+            scorers=args.scorers,
             **({} if args.query_cap is None else {"query_cap": args.query_cap}),
         )
     except ValueError as e:

@@ -109,6 +109,12 @@ def add_arguments(parser) -> None:
     )
     options.add_kv_center(parser)
     parser.add_argument(
+        "--scorers",
+        metavar="DIR",
+        help="fast-kvzip, kvzap: a folder holding their trained scorers, gate/ and linear/ (default "
+        "<checkpoints>/MODEL/scorers/KIND, then the bundled ones; kvzip-jax train-scorer makes them)",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=None,

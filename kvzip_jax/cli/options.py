@@ -45,6 +45,11 @@ def add_method(parser) -> None:
         f"before any question: {', '.join(agnostic)} (default kvzip; kvzip-jax methods describes "
         "them)",
     )
+    parser.add_argument(
+        "--scorer",
+        metavar="DIR",
+        help="fast-kvzip, kvzap: the trained scorer (default <checkpoints>/MODEL/scorers/KIND, then the bundled one)",
+    )
 
 
 def add_chunk_size(parser, note: str = "") -> None:

@@ -72,7 +72,9 @@ class SharedInputs:
 
     def inputs(self, method: methods.Method, observed: int | None) -> methods.Inputs:
         """The inputs `method` reads; observed: the question index in view (None: no question)."""
-        fields = {name: self._field(name) for name in method.reads if name != "question"}
+        fields = {name: self._field(name) for name in method.reads if name not in ("question", "scorer")}
+        if "scorer" in method.reads:  # each trained method its own kind of scorer
+            fields["scorer"] = self._sweep.scorers[method.options.kind]
         if "question" in method.reads and observed is not None:
             block, q_len = answering.pad_rows(self._batch.question_rows(observed))
             fields["question"] = (jnp.asarray(block), jnp.asarray(q_len))
@@ -155,6 +157,9 @@ class Sweep:
         self.params = placement.replicate(model.params, self.mesh)
         self.stops = prompts.stop_token_ids(model.tokenizer)
         self.on_answers = on_answers
+        self.scorers = {  # trained scorers' weights beside the params, loaded before any work
+            kind: placement.replicate(config.load_scorer(model, kind), self.mesh) for kind in config.scorer_kinds()
+        }
 
     # -- what a batch must produce -----------------------------------------------------------------------------
     def configurations(self) -> list[tuple[str, str, float, int]]:

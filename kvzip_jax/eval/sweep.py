@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvzip_jax import cache as kv
 from kvzip_jax import matching, methods, prompts, sharding
@@ -41,7 +42,7 @@ from kvzip_jax.eval.tasks.base import Example
 from kvzip_jax.kvzip.budget import check_ratio
 from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK
 from kvzip_jax.quant import groups as quant
-from kvzip_jax.weights.identity import model_identity, tokenizer_hash
+from kvzip_jax.weights.identity import model_identity, params_fingerprint, tokenizer_hash
 
 MODES = ("reuse", "first", "oracle")
 KV_BITS = quant.KV_BITS
@@ -66,6 +67,7 @@ class SweepConfig:
     kv_group: int | None = None  # elements per scale of the quantized pairs (None: quant.DEFAULT_GROUP per width)
     kv_window: int = kv.WINDOW  # recent tokens at full precision in a quantized cache
     kv_center: bool = True  # quantized keys centred per channel first (cache.quantized)
+    scorers: str | None = None  # a folder of trained scorers, <kind>/ each (None: scorers.scorer.scorer_dirs)
 
     def __post_init__(self):
         unknown = sorted(set(self.methods) - set(methods.names()))
@@ -121,7 +123,23 @@ class SweepConfig:
             ),
             **({"query_cap": self.query_cap} if self.query_cap != QUERY_CAP else {}),
             **({"kv_quant": kv_quant} if (kv_quant := self._kv_settings()) else {}),
+            **({"scorers": trained} if (trained := self._scorer_settings(model)) else {}),
         )
+
+    def scorer_kinds(self) -> tuple[str, ...]:
+        """The kinds of trained scorer the sweep's methods read (methods whose options name a kind)."""
+        kinds = {methods.get(m).options.kind for m in self.methods if "scorer" in methods.get(m).reads}
+        return tuple(sorted(kinds))
+
+    def load_scorer(self, model, kind: str):
+        """The sweep's `kind` scorer for the model (scorers.scorer.load; from `scorers`/<kind> when given)."""
+        from kvzip_jax.scorers import scorer
+
+        return scorer.load(model, kind, None if self.scorers is None else Path(self.scorers) / kind)
+
+    def _scorer_settings(self, model) -> dict:
+        """{kind: the fingerprint of its weights} of the scorers the methods read: another scorer, another sweep."""
+        return {kind: params_fingerprint(self.load_scorer(model, kind).params) for kind in self.scorer_kinds()}
 
     def _kv_settings(self) -> dict:
         """The quantization options that differ from those of results made before keys were centred (groups of 64

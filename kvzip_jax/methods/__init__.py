@@ -1,5 +1,5 @@
 """Every compression method, one registry entry each (registry.py): KVzip and the baselines of its paper
-(eviction.py), Attention Matching's variants (compaction.py).
+(eviction.py), the trained scorers' (trained.py), Attention Matching's variants (compaction.py).
 
     method = methods.get("kvzip")
     inputs = methods.Inputs(reread.prefix_len, reread.context_len, reread=reread)
@@ -7,7 +7,7 @@
     print(methods.table())                                    # name, family, question-aware, paper, description
 """
 
-from kvzip_jax.methods import compaction, eviction
+from kvzip_jax.methods import compaction, eviction, trained
 from kvzip_jax.methods.registry import (
     FAMILIES,
     INPUTS,
@@ -35,5 +35,6 @@ __all__ = [
     "names",
     "register",
     "table",
+    "trained",
     "unregister",
 ]

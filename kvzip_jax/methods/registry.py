@@ -25,7 +25,7 @@ FAMILIES = {
     "eviction": "context pairs scored, the lowest evicted (a masked cache)",  # family: what it does
     "compaction": "keys selected, their values and a per-key bias fitted (a compacted cache)",
 }
-INPUTS = ("reread", "context_tokens", "question", "key", "probes", "queries", "kvzip_scores")
+INPUTS = ("reread", "context_tokens", "question", "key", "probes", "queries", "kvzip_scores", "scorer")
 
 
 class MethodError(KvzipError, ValueError):
@@ -45,6 +45,7 @@ class Inputs:
       probes          matching.Probes: self-study turns, Attention Matching's second query source
       queries         matching.ReferenceQueries already captured (a sweep shares one pass between methods)
       kvzip_scores    [L, B, K, n] KVzip's scores already computed (softmax, no KVzip+)
+      scorer          scorers.Scorer: a trained scorer's weights (the methods that score without a reread)
     """
 
     prefix_len: jax.Array
@@ -56,6 +57,7 @@ class Inputs:
     probes: Any = None
     queries: Any = None
     kvzip_scores: jax.Array | None = None
+    scorer: Any = None
 
 
 @jax.tree_util.register_static

@@ -1,0 +1,72 @@
+"""kvzip-jax train-scorer end to end on a tiny random model (with SmolLM2's tokenizer): the model writes texts, their
+features are extracted, a linear scorer and a gate are fitted and saved with their manifests; a rerun resumes
+without recomputing; eval then runs fast-kvzip and kvzap from the saved scorers; a scorer of another model is a
+named error."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvzip_jax import cli
+from kvzip_jax.scorers import data, scorer, store
+from kvzip_jax.weights import registry
+from tests.conftest import bundled_tokenizer
+from tests.test_eval_sweep import tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(bundled_tokenizer(registry.SMOLLM2))
+
+
+def train(kind, *extra):
+    argv = ["train-scorer", "--model", "tiny", "--kind", kind, "--texts", "3", "--held-out", "1"]
+    argv += ["--max-new-tokens", "40", "--batch", "3", "--tokens-per-text", "16", "--quiet", *extra]
+    return cli.main(argv)
+
+
+def test_train_both_kinds_resume_then_eval_reads_them(model, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": model)
+    monkeypatch.setenv("KVZIP_CHECKPOINTS", str(tmp_path))
+    root = tmp_path / "tiny" / "scorers"
+    assert train("linear") == 0
+    texts = data.read_texts(root / "data")
+    assert len(texts) == 3 and all(t["text"] and t["prompt"].startswith("Write ") for t in texts)
+    shards = sorted((root / "data" / "features").glob("*.npz"))
+    assert [p.name for p in shards] == ["00000.npz", "00001.npz", "00002.npz"]
+    first = data.load_features(shards[0])
+    L, K, D = model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.hidden_size
+    n = first["kvzip"].shape[-1]
+    assert first["hidden"].shape == (L, min(16, n), D) and first["kvzip_plus"].shape == (L, K, n)
+    assert np.all((first["kvzip"] >= 0) & (first["kvzip"] <= 1))
+    manifest = json.loads((root / "linear" / store.MANIFEST).read_text())
+    assert manifest["model"] == "tiny" and manifest["kind"] == "linear" and manifest["texts"] == 3
+    assert 0 <= manifest["top30_overlap"] <= 1 and np.isfinite(manifest["held_out_loss"])
+    out = capsys.readouterr().out
+    assert "top-30% overlap with KVzip" in out and f"wrote {root / 'linear'}" in out
+
+    stamps = [p.stat().st_mtime_ns for p in shards]
+    assert train("gate", "--steps", "20", "--train-batch", "16") == 0  # the same texts and features, reused
+    assert [p.stat().st_mtime_ns for p in shards] == stamps and len(data.read_texts(root / "data")) == 3
+    gate_manifest = json.loads((root / "gate" / store.MANIFEST).read_text())
+    assert gate_manifest["config"]["group"] == 2 and len(gate_manifest["history"]) >= 2
+    assert train("gate", "--steps", "20") == cli.EXIT_USER_ERROR  # the folder exists: --overwrite to replace
+    assert "already exists" in capsys.readouterr().err
+
+    argv = ["eval", "--model", "tiny", "--tasks", "passkey", "--contexts", "2", "--context-tokens", "100"]
+    argv += ["--methods", "fast-kvzip,kvzap", "--ratios", "1,0.3", "--batch-size", "2", "--no-progress"]
+    assert cli.main([*argv, "--out", str(tmp_path / "run")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert {(r["method"], r["ratio"]) for r in records} == {("full", 1.0)} | {
+        (m, r) for m in ("fast-kvzip", "kvzap") for r in (1.0, 0.3)
+    }
+    settings = json.loads((tmp_path / "run" / "results.jsonl.settings.json").read_text())
+    assert set(settings["scorers"]) == {"gate", "linear"}
+
+    other = tiny_model(model.tokenizer)
+    other = type(other)("other", other.cfg, other.params, other.tokenizer)
+    with pytest.raises(store.ScorerMismatchError, match="trained for model 'tiny', not 'other'"):
+        scorer.load(other, "linear", root / "linear")
+    with pytest.raises(scorer.ScorerMissingError, match="train one with `kvzip-jax train-scorer --model other"):
+        scorer.load(other, "gate")
