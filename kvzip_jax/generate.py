@@ -50,6 +50,14 @@ def append_tokens(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, 
 forward_step = jax.jit(append_tokens, donate_argnames=("cache",), static_argnames=("logits",))
 
 
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def observed_step(params, tokens, num_new, cache: kv.KVCache, cfg: ModelConfig, observer):
+    """append_tokens with an observer (a pytree): -> (last logits [B, 1, V], cache, observed [L, ...] stacked)."""
+    positions = cache.next_position[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, T]
+    out, cache, aux = forward(params, tokens, positions, cache, cfg, observer, num_new=num_new)
+    return out, cache, jnp.stack(aux["observed"])
+
+
 def on_params_device(cache: kv.KVCache, params) -> kv.KVCache:
     """An uncommitted cache committed to the one device its params are committed to (a committed cache, or params
     on several devices or none: as given). jit keys its programs on whether each argument is committed, and a step's
@@ -92,6 +100,29 @@ def prefill(
     first (on_params_device). on_chunk(done, total): called after each chunk with the tokens of the longest row fed
     so far (a progress bar).
     """
+    logits, cache, _ = _prefill(params, cfg, tokens, cache, capacity, chunk, reserve, on_chunk, None)
+    return logits, cache
+
+
+def prefill_observed(
+    params,
+    cfg: ModelConfig,
+    tokens,
+    observer,
+    cache: kv.KVCache | None = None,
+    *,
+    capacity: int | None = None,
+    chunk: int = DEFAULT_CHUNK,
+    reserve: int = 256,
+    on_chunk: Callable[[int, int], None] | None = None,
+):
+    """prefill with an observer (a pytree) on every layer's attention: -> (last_logits [B, V], cache, observed), the
+    observer's per-layer outputs of each chunk concatenated along their last axis (the chunk's tokens: token t of
+    the rows is column t; columns past a row's length are padding)."""
+    return _prefill(params, cfg, tokens, cache, capacity, chunk, reserve, on_chunk, observer)
+
+
+def _prefill(params, cfg, tokens, cache, capacity, chunk, reserve, on_chunk, observer):
     rows = _as_rows(tokens)
     lengths = np.array([row.size for row in rows], np.int32)  # [B]
     B = len(rows)
@@ -114,7 +145,7 @@ def prefill(
             f"{int(lengths.max())} new tokens exceed the cache's capacity: room for {int(room.min())} more"
         )
 
-    last_logits = None
+    last_logits, observed = None, []
     for start in range(0, int(lengths.max()), chunk):
         num_new = np.clip(lengths - start, 0, chunk).astype(np.int32)  # [B]
         width = min(chunk, bucket(int(num_new.max())))
@@ -122,12 +153,16 @@ def prefill(
         for b, row in enumerate(rows):
             piece = row[start : start + width]
             block[b, : piece.size] = piece
-        logits, cache = forward_step(params, jnp.asarray(block), jnp.asarray(num_new), cache, cfg)
+        if observer is None:
+            logits, cache = forward_step(params, jnp.asarray(block), jnp.asarray(num_new), cache, cfg)
+        else:
+            logits, cache, seen = observed_step(params, jnp.asarray(block), jnp.asarray(num_new), cache, cfg, observer)
+            observed.append(seen)
         logits = logits[:, 0]  # [B, V]
         last_logits = logits if last_logits is None else jnp.where((num_new > 0)[:, None], logits, last_logits)
         if on_chunk is not None:
             on_chunk(min(start + chunk, int(lengths.max())), int(lengths.max()))
-    return last_logits, cache
+    return last_logits, cache, (jnp.concatenate(observed, axis=-1) if observed else None)
 
 
 @jax.tree_util.register_dataclass

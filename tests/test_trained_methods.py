@@ -136,3 +136,22 @@ def test_a_trained_method_keeps_kvzips_budget_of_its_scorers_top_pairs_recent_wi
         method.compress(params, cfg, cache, other, 0.3)
     with pytest.raises(methods.MethodError, match="needs the input"):
         method.jitted_prepare(params, cfg, cache, methods.Inputs(inputs.prefix_len, inputs.context_len), options)
+
+
+def test_scores_during_the_prefill_equal_the_scores_of_the_context_fed_again(setup):
+    """One pass: the prefill itself scores every token (generate.prefill_observed), as context_scores does after it,
+    and its cache is the plain prefill's."""
+    cfg, params, cache, inputs, rows = setup
+    _, linear_scorer = scorers(cfg)
+    _, observed_cache, during = features.prefill_scores(params, cfg, rows, linear_scorer, capacity=128, chunk=16)
+    after = features.context_scores(
+        params, cfg, cache, inputs.prefix_len, inputs.context_len, inputs.context_tokens, linear_scorer
+    )
+    for b, row in enumerate(rows):
+        n = len(row) - PREFIX
+        np.testing.assert_allclose(
+            np.asarray(during[:, b, :, PREFIX : PREFIX + n]), np.asarray(after[:, b, :, :n]), atol=1e-4, rtol=1e-5
+        )
+    for a, e in zip(observed_cache.layers, cache.layers):
+        np.testing.assert_allclose(np.asarray(a.k), np.asarray(e.k), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(e.lengths))

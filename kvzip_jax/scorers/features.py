@@ -93,3 +93,11 @@ def context_scores(params, cfg: ModelConfig, cache, prefix_len, context_len, con
     scores = observed.transpose(1, 2, 3, 0, 4).reshape(L, B, K, C * T)[..., :n]
     in_context = jnp.arange(n) < jnp.asarray(context_len)[:, None]  # [B, n]
     return jnp.where(in_context[None, :, None, :], scores, -jnp.inf)
+
+
+def prefill_scores(params, cfg: ModelConfig, rows, scorer: Scorer, **prefill_options):
+    """Prefills token rows (generate.prefill_observed) with the scorer on every layer: -> (last logits [B, V], cache,
+    scores [L, B, K, T]) with column t the score of token t of each row (past a row's length: padding)."""
+    from kvzip_jax import generate as gen
+
+    return gen.prefill_observed(params, cfg, rows, ScorerObserver(scorer), **prefill_options)
