@@ -155,3 +155,46 @@ def test_scores_during_the_prefill_equal_the_scores_of_the_context_fed_again(set
     for a, e in zip(observed_cache.layers, cache.layers):
         np.testing.assert_allclose(np.asarray(a.k), np.asarray(e.k), atol=1e-5)
         np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(e.lengths))
+
+
+def test_threshold_keeps_what_passes_in_each_head_and_the_window(setup):
+    """With a threshold the ratio is an outcome: every context pair scoring at least T stays, the rest go, outside
+    the recent window; heads keep different counts."""
+    cfg, params, cache, inputs, _ = setup
+    _, linear_scorer = scorers(cfg)
+    method = methods.get("kvzap")
+    given = methods.Inputs(
+        inputs.prefix_len, inputs.context_len, context_tokens=inputs.context_tokens, scorer=linear_scorer
+    )
+    scores = np.asarray(
+        features.context_scores(
+            params, cfg, cache, inputs.prefix_len, inputs.context_len, inputs.context_tokens, linear_scorer
+        )
+    )
+    threshold = float(np.median(scores[np.isfinite(scores)]))
+    options = method.options_for(window=5, threshold=threshold)
+    got = jax.jit(method.compress)(params, cfg, cache, given, 1.0, options)
+    counts = set()
+    for layer, new in enumerate(got.layers):
+        for b, n in enumerate(np.asarray(inputs.context_len)):
+            want = scores[layer, b, :, :n] >= threshold
+            want[:, n - 5 :] = True
+            np.testing.assert_array_equal(np.asarray(new.keep)[b, :, PREFIX : PREFIX + n], want)
+            counts |= set(want.sum(axis=-1).tolist())
+    assert len(counts) > 1  # per-head budgets differ
+
+
+def test_compress_threshold_flag_is_checked_before_loading(tmp_path, capsys):
+    from kvzip_jax import cli
+
+    context = tmp_path / "c.txt"
+    context.write_text("some context")
+    base = ["compress", "--model", "no-such-model", "--context", str(context)]
+    for extra, message in (
+        (["--method", "kvzip", "--threshold", "-4"], "--threshold is an option of fast-kvzip and kvzap"),
+        (["--method", "kvzap"], "give --ratio, or --threshold"),
+        (["--method", "kvzap", "--ratio", "0.3", "--threshold", "-4"], "give --ratio, or --threshold"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(base + extra)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -192,7 +192,11 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
         masked = kv.mask_context(cache, keep, jnp.array([prefix_len]), jnp.array([context_len]))
         return masked, "from saved head scores, no scoring pass"
     method = methods.get(args.method)
-    options = method.options_for(model.name, model.cfg, **({"level": args.level} if args.level else {}))
+    changes = {"level": args.level} if args.level else {}
+    if getattr(args, "threshold", None) is not None:
+        changes["threshold"] = args.threshold
+    options = method.options_for(model.name, model.cfg, **changes)
+    ratio = 1.0 if args.ratio is None else args.ratio  # a threshold sets what is kept
     row = context.ids()[context.context_slice]
     reread = kvzip.reread_inputs(model.tokenizer, [prefix_len], [row], args.chunk_size)
     available = dict(
@@ -210,10 +214,11 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
     on_chunk, done = progress(args, f"{method.name}: scoring (reread chunks)", unit="chunk")
     with chunk_progress(on_chunk):
         state = method.jitted_prepare(model.params, model.cfg, cache, inputs, options)
-        compressed = method.jitted_finish(model.params, model.cfg, cache, inputs, state, args.ratio, options)
+        compressed = method.jitted_finish(model.params, model.cfg, cache, inputs, state, ratio, options)
         jax.block_until_ready(compressed)
     done()
-    return compressed, methods.FAMILIES[method.family] if args.ratio < 1.0 else "ratio 1 keeps the cache as it is"
+    kept_all = ratio >= 1.0 and getattr(options, "threshold", None) is None
+    return compressed, "ratio 1 keeps the cache as it is" if kept_all else methods.FAMILIES[method.family]
 
 
 def answer(model, cache, question: str, suffix, max_new_tokens: int, completion: bool):

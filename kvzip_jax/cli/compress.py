@@ -33,6 +33,10 @@ def _check_choices(args: argparse.Namespace) -> None:
         )
     if (args.sink or args.recent) and args.level != "head":
         args.subparser.error("--sink and --recent apply to --level head only")
+    if (args.ratio is None) == (args.threshold is None):
+        args.subparser.error("give --ratio, or --threshold for a method with one (fast-kvzip, kvzap)")
+    if args.threshold is not None and "threshold" not in defaults:
+        args.subparser.error(f"--threshold is an option of fast-kvzip and kvzap; --method {args.method} has none")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     _check_choices(args)
     options.kv_formats(args)  # a bad --kv-group, before the model loads
     instruction = options.instruction(args)
-    check_ratio(args.ratio)
+    if args.ratio is not None:
+        check_ratio(args.ratio)
     document = common.read_context(args.context)
     questions = common.questions(args)
     if args.level == "head" and not head_scores_path(args.model).is_file():
@@ -90,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     jax.block_until_ready(compressed)
     level = f", {args.level} level" if args.level else ""
     print(
-        f"{args.method} ({method.paper}{level}) at ratio {args.ratio}: {how} in "
+        f"{args.method} ({method.paper}{level}) at {options.budget(args)}: {how} in "
         f"{time.perf_counter() - start:.1f} s (including compilation)"
     )
     _report_kept(model.cfg, masked, context)
@@ -138,7 +143,7 @@ def _pictures(args: argparse.Namespace, model, masked, context) -> None:
     from kvzip_jax.eval import kept, report
 
     share = kept.fractions(masked, context.context_start, len(context) - context.context_start)
-    title = f"{model.name}: {args.method} at ratio {args.ratio}"
+    title = f"{model.name}: {args.method} at {options.budget(args)}"
     if args.plot:
         print(f"wrote {kept.plot(share, Path(args.plot).absolute(), title)}")
     if args.html:
@@ -170,6 +175,7 @@ def _save(args: argparse.Namespace, model, compressed, context) -> None:
         "method": args.method,
         "level": args.level,
         "ratio": args.ratio,
+        "threshold": args.threshold,
         "instruction": args.instruction,
         "max_new_tokens": args.max_new_tokens,
         "kv_bits": args.kv_bits,
@@ -202,8 +208,14 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--ratio",
         type=float,
-        required=True,
         help="fraction of context KV pairs kept, in (0, 1] (kvpress's compression_ratio is 1 - it)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        metavar="T",
+        help="instead of --ratio, fast-kvzip and kvzap: evict the pairs their scorer scores below T outside the "
+        "recent window (each head keeps what passes; the share kept is printed)",
     )
     options.add_method(parser)
     parser.add_argument(

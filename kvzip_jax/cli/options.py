@@ -52,6 +52,11 @@ def add_method(parser) -> None:
     )
 
 
+def budget(args) -> str:
+    """How much a command keeps, in words: "ratio 0.3" or "threshold -4.0"."""
+    return f"ratio {args.ratio}" if getattr(args, "threshold", None) is None else f"threshold {args.threshold}"
+
+
 def add_chunk_size(parser, note: str = "") -> None:
     """--chunk-size, KVzip's reread chunk in tokens; note: what else the help says it sets."""
     from kvzip_jax.kvzip.scoring import DEFAULT_CHUNK

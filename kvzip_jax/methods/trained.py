@@ -16,20 +16,26 @@ from kvzip_jax.kvzip.eviction import LEVELS, keep_mask
 from kvzip_jax.kvzip.scoring import evictable_layers
 from kvzip_jax.methods.registry import Inputs, Method, MethodError, register
 from kvzip_jax.scorers.features import context_scores
+from kvzip_jax.scorers.scorer import KINDS
 
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class ScorerOptions:
     """kind: the scorer it reads (scorers.KINDS). level: KVzip's budget levels. window: the last context tokens
-    always kept (window_fraction of the context when window is None, as Fast KVzip's prefill keeps 2%)."""
+    always kept (window_fraction of the context when window is None, as Fast KVzip's prefill keeps 2%).
+    threshold: None, or evict every pair scoring below it outside the window, whatever the ratio (each head keeps
+    what passes: the ratio reached is an outcome, DMSPress's rule)."""
 
     kind: str = "gate"
     level: str = "pair"
     window: int | None = None
     window_fraction: float = 0.02
+    threshold: float | None = None
 
     def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
         if self.level not in LEVELS:
             raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
         if self.window is not None and self.window < 0:
@@ -58,8 +64,22 @@ def _prepare(params, cfg, cache: kv.KVCache, inputs: Inputs, options: ScorerOpti
     return jnp.where(recent[None, :, None, :], jnp.inf, scores)
 
 
+def threshold_mask(scores: jax.Array, context_len: jax.Array, threshold, evictable: tuple[int, ...]) -> jax.Array:
+    """keep [L, B, K, n]: context pairs scoring at least `threshold` in the evictable layers, every context pair in
+    the others (scores [L, B, K, n], context_len [B])."""
+    L, _, _, n = scores.shape
+    in_context = (jnp.arange(n) < context_len[:, None])[None, :, None, :]  # [1, B, 1, n]
+    scored = jnp.asarray([layer in evictable for layer in range(L)])[:, None, None, None]  # [L, 1, 1, 1]
+    return in_context & (~scored | (scores >= threshold))
+
+
 def _finish(params, cfg, cache: kv.KVCache, inputs: Inputs, scores, ratio, options: ScorerOptions) -> kv.KVCache:
-    keep = keep_mask(scores, inputs.context_len, ratio, options.level, evictable_layers(cfg))  # [L, B, K, n]
+    """The masked cache at `ratio` under options.level, or, with options.threshold, of what passes it (ratio
+    ignored)."""
+    if options.threshold is None:
+        keep = keep_mask(scores, inputs.context_len, ratio, options.level, evictable_layers(cfg))  # [L, B, K, n]
+    else:
+        keep = threshold_mask(scores, inputs.context_len, options.threshold, evictable_layers(cfg))
     return kv.mask_context(cache, keep, inputs.prefix_len, inputs.context_len)
 
 
