@@ -62,12 +62,14 @@ def generate(
     first: int = FIRST,
     window: int = WINDOW,
     capacity: int | None = None,
+    reserve: int = 0,
     stop_tokens: Sequence[int] = (),
     sampling: gen.Sampling | None = None,
 ):
     """Generates up to max_new_tokens after prompt [T], cutting the cache every `interval` tokens to `budget` pairs
     per (layer, KV head) on average (or to the pairs scoring at least `threshold`). capacity: slots per head (default
-    2 x budget + interval, at least the prompt + interval). Returns (tokens, cache, cuts: list of Cut)."""
+    2 x budget + interval + reserve, at least the prompt + interval + reserve); reserve: slots every cut leaves free
+    beyond the next block (room for a question after the generation). Returns (tokens, cache, cuts: list of Cut)."""
     if any(kind != FULL for kind in cfg.layer_types):
         raise UnsupportedArchitectureError("compression while decoding needs every layer evictable (no sliding window)")
     if (budget is None) == (threshold is None):
@@ -82,9 +84,13 @@ def generate(
         raise ContextTooLongError(
             f"{prompt.size} prompt + {max_new_tokens} new tokens exceed the model's maximum position {cfg.max_position}"
         )
-    capacity = capacity or max(2 * (budget or 0) + interval, prompt.size + interval)
-    if capacity < prompt.size + interval:
-        raise ValueError(f"a capacity of {capacity} holds no prompt of {prompt.size} tokens and a block of {interval}")
+    room = interval + reserve  # what every cut leaves free in each head
+    capacity = capacity or max(2 * (budget or 0) + room, prompt.size + room)
+    if reserve < 0 or capacity < prompt.size + room:
+        raise ValueError(
+            f"a capacity of {capacity} holds no prompt of {prompt.size} tokens, a block of {interval} and a reserve "
+            f"of {reserve}"
+        )
     observer = ScorerObserver(scorer)
     logits, cache, scores = gen.prefill_observed(params, cfg, [prompt], observer, capacity=capacity)
     scores = _slot_scores(scores, capacity)  # [L, 1, K, C]
@@ -113,9 +119,9 @@ def generate(
         scores = _placed(scores, block_scores, mark)
         held = int(kv.kept_per_head(cache).sum())
         over = threshold is not None or held > budget * cfg.num_layers * cfg.num_kv_heads
-        if not over and int(cache.room()[0]) >= interval:  # within budget, and the next block fits every head
+        if not over and int(cache.room()[0]) >= room:  # within budget, and the next block fits every head
             continue
-        cache, scores = _cut(cache, scores, budget, threshold, first, window, interval)
+        cache, scores = _cut(cache, scores, budget, threshold, first, window, room)
         cuts.append(Cut(len(out), held, int(kv.kept_per_head(cache).sum()), kv.used_bytes(cache)))
     return out, cache, cuts
 
@@ -149,10 +155,11 @@ def _scatter(scores, slots, block):
     return scores.at[index[0], index[1], index[2], slots].set(block, mode="drop")
 
 
-@functools.partial(jax.jit, static_argnames=("budget", "threshold", "first", "window", "interval"))
-def _cut(cache: kv.KVCache, scores: jax.Array, budget, threshold, first: int, window: int, interval: int):
-    """The cache cut back (masked, then defragmented) and its scores moved along. Protected: the first `first`
-    logical tokens (slots [0, first): never moved, as they are kept) and each head's last `window` filled slots."""
+@functools.partial(jax.jit, static_argnames=("budget", "threshold", "first", "window", "room"))
+def _cut(cache: kv.KVCache, scores: jax.Array, budget, threshold, first: int, window: int, room: int):
+    """The cache cut back (masked, then defragmented) and its scores moved along, each head left `room` free slots.
+    Protected: the first `first` logical tokens (slots [0, first): never moved, as they are kept) and each head's
+    last `window` filled slots."""
     L, B, K, C = scores.shape
     filled = jnp.stack([visible_slots(layer) for layer in cache.layers])  # [L, 1, K, C]
     lengths = jnp.stack([layer.lengths for layer in cache.layers])  # [L, 1, K]
@@ -165,10 +172,10 @@ def _cut(cache: kv.KVCache, scores: jax.Array, budget, threshold, first: int, wi
         total = jnp.full((B,), budget * L * K, jnp.int32)
         keep = top_counts(ranked.transpose(1, 0, 2, 3).reshape(B, -1), total).reshape(B, L, K, C).transpose(1, 0, 2, 3)
         keep &= filled
-    # Each head keeps at most C - interval, so the next block fits: its lowest extras go.
+    # Each head keeps at most C - room, so the next block fits: its lowest extras go.
     order = jnp.argsort(jnp.where(keep, -ranked, jnp.inf), axis=-1, stable=True)  # kept best-first
     rank = jnp.argsort(order, axis=-1)  # [L, 1, K, C] each slot's place in its head
-    keep &= rank < C - interval
+    keep &= rank < C - room
     layers = tuple(dataclasses.replace(layer, keep=k) for layer, k in zip(cache.layers, keep))
     moved = jnp.argsort(jnp.where(keep, 0, C) + slots, axis=-1)  # kv.defragment's order
     cache = kv.defragment(dataclasses.replace(cache, layers=layers))
