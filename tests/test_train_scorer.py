@@ -1,7 +1,7 @@
 """kvzip-jax train-scorer end to end on a tiny random model (with SmolLM2's tokenizer): the model writes texts, their
 features are extracted, a linear scorer and a gate are fitted and saved with their manifests; a rerun resumes
 without recomputing; eval then runs fast-kvzip and kvzap from the saved scorers; a scorer of another model is a
-named error."""
+named error; compress --decode-budget answers with the cache cut back while decoding."""
 
 import json
 
@@ -63,6 +63,19 @@ def test_train_both_kinds_resume_then_eval_reads_them(model, monkeypatch, tmp_pa
     }
     settings = json.loads((tmp_path / "run" / "results.jsonl.settings.json").read_text())
     assert set(settings["scorers"]) == {"gate", "linear"}
+
+    context = tmp_path / "context.txt"
+    context.write_text(" ".join(f"word{i % 37}" for i in range(160)))
+    argv = ["compress", "--model", "tiny", "--context", str(context), "--ratio", "0.5", "--method", "kvzap"]
+    argv += ["--decode-budget", "140", "--question", "Go on.", "--max-new-tokens", "300", "--quiet"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Q: Go on." in out and " pairs after 256 tokens" in out  # cut after the second block of 128
+
+    argv = ["compress", "--model", "tiny", "--context", str(context), "--threshold", "0", "--method", "kvzap"]
+    assert cli.main([*argv, "--question", "Go on.", "--max-new-tokens", "8", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "at threshold 0.0: " in out and "tokens kept: " in out, out
 
     other = tiny_model(model.tokenizer)
     other = type(other)("other", other.cfg, other.params, other.tokenizer)

@@ -37,7 +37,7 @@ def _compressed_document(args: argparse.Namespace):
     _, full = gen.prefill(model.params, model.cfg, [context.ids()], on_chunk=on_chunk)
     done()
     args.level, args.chunk_size, args.self_study = None, 512, False
-    masked, how = common.evict(args, model, full, context, None)
+    masked, how, _ = common.evict(args, model, full, context, None)
     cache = common.quantized(args, kv.pack(masked, args.room))
     jax.block_until_ready(cache)
     print(f"{len(context)} tokens prefilled; {args.method} at ratio {args.ratio}: {how}")

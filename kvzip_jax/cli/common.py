@@ -173,9 +173,10 @@ def asks_by_completion(model) -> bool:
 
 
 def evict(args: argparse.Namespace, model, cache, context, head_scores):
-    """(compressed cache, how it was made): --method's compression (methods registry) with --level given to its
-    options, or KVzip's saved head scores for --level head (no scoring pass). A method that sees the question sees
-    none here: it observes the context's end, as in kvpress."""
+    """(compressed cache, how it was made, (the method's prepared state, its inputs) or None): --method's
+    compression (methods registry) with --level given to its options, or KVzip's saved head scores for --level head
+    (no scoring pass). A method that sees the question sees none here: it observes the context's end, as in
+    kvpress."""
     import jax
     import jax.numpy as jnp
 
@@ -190,7 +191,7 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
             head_scores, [context_len], context_len, args.ratio, args.sink, args.recent, evictable_layers(model.cfg)
         )  # [L, 1, K, n]
         masked = kv.mask_context(cache, keep, jnp.array([prefix_len]), jnp.array([context_len]))
-        return masked, "from saved head scores, no scoring pass"
+        return masked, "from saved head scores, no scoring pass", None
     method = methods.get(args.method)
     changes = {"level": args.level} if args.level else {}
     if getattr(args, "threshold", None) is not None:
@@ -218,7 +219,8 @@ def evict(args: argparse.Namespace, model, cache, context, head_scores):
         jax.block_until_ready(compressed)
     done()
     kept_all = ratio >= 1.0 and getattr(options, "threshold", None) is None
-    return compressed, "ratio 1 keeps the cache as it is" if kept_all else methods.FAMILIES[method.family]
+    how = "ratio 1 keeps the cache as it is" if kept_all else methods.FAMILIES[method.family]
+    return compressed, how, (state, inputs)
 
 
 def answer(model, cache, question: str, suffix, max_new_tokens: int, completion: bool):

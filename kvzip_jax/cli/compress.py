@@ -37,6 +37,13 @@ def _check_choices(args: argparse.Namespace) -> None:
         args.subparser.error("give --ratio, or --threshold for a method with one (fast-kvzip, kvzap)")
     if args.threshold is not None and "threshold" not in defaults:
         args.subparser.error(f"--threshold is an option of fast-kvzip and kvzap; --method {args.method} has none")
+    if args.decode_budget is not None:
+        if "scorer" not in method.reads:
+            args.subparser.error(f"--decode-budget scores with a trained scorer (fast-kvzip, kvzap), not {args.method}")
+        if args.save or args.kv_bits not in (None, 16):
+            args.subparser.error("--decode-budget answers now from a dense cache: no --save, no --kv-bits")
+        if args.decode_budget < 1:
+            args.subparser.error(f"--decode-budget must be >= 1, got {args.decode_budget}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     start = time.perf_counter()
-    masked, how = common.evict(args, model, cache, context, head_scores)
+    masked, how, prepared = common.evict(args, model, cache, context, head_scores)
+    budgeted = None if args.decode_budget is None else _decoding_start(args, model, masked, prepared, context)
     room = (max(map(len, suffixes)) if suffixes else INTERACTIVE_QUESTION_ROOM) + args.max_new_tokens
     if args.save:  # questions asked later: room for any question of the interactive size
         room = max(room, INTERACTIVE_QUESTION_ROOM + args.max_new_tokens)
@@ -117,12 +125,68 @@ def run(args: argparse.Namespace) -> int:
     pending = zip(questions, suffixes) if questions is not None else ((q, None) for q in common.stdin_questions())
     for question, suffix in pending:
         try:
+            if budgeted is not None:
+                _answer_within_budget(args, model, budgeted, question, suffix, completion)
+                continue
             compressed = common.answer(model, compressed, question, suffix, args.max_new_tokens, completion)
         except KvzipError as e:  # a question too long for the room left: report it, take the next one
             if questions is not None:
                 raise
             print(f"kvzip-jax compress: error: {e}", file=sys.stderr)
     return 0
+
+
+def _decoding_start(args: argparse.Namespace, model, masked, prepared, context):
+    """(dense cache, its slots' scores, the scorer) to answer from with --decode-budget: the masked cache
+    defragmented with room for a block and a question, the context's pairs scored as the method scored them, the
+    prefix kept."""
+    import jax.numpy as jnp
+
+    from kvzip_jax import cache as kv
+    from kvzip_jax.scorers import decoding
+
+    state, inputs = prepared  # state: the method's [L, 1, K, n] context scores
+    L, _, K, n = state.shape
+    C = masked.layers[0].capacity
+    prefix, tail = jnp.full((L, 1, K, context.context_start), jnp.inf), jnp.full((L, 1, K, C), -jnp.inf)
+    scores = jnp.concatenate([prefix, state, tail], axis=-1)[..., :C]
+    dense, scores = decoding.start_from(masked, scores)
+    extra = decoding.INTERVAL + INTERACTIVE_QUESTION_ROOM
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, extra)), constant_values=-jnp.inf)
+    return kv.grown(dense, extra), scores, inputs.scorer
+
+
+def _answer_within_budget(args: argparse.Namespace, model, budgeted, question: str, suffix, completion: bool) -> None:
+    """One answer generated with the cache cut back to --decode-budget every 128 tokens (scorers.decoding), from a
+    copy of the compressed context's cache; prints it with its cuts."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvzip_jax import prompts
+    from kvzip_jax.scorers import decoding
+
+    cache, scores, scorer = budgeted
+    tok = model.tokenizer
+    stops = prompts.stop_token_ids(tok, completion)
+    suffix = prompts.question_suffix(tok, question, completion=completion) if suffix is None else suffix
+    start = time.perf_counter()
+    tokens, _, cuts = decoding.generate(
+        model.params,
+        model.cfg,
+        suffix,
+        args.max_new_tokens,
+        scorer=scorer,
+        budget=args.decode_budget,
+        stop_tokens=stops,
+        cache=jax.tree.map(jnp.copy, cache),
+        scores=scores,
+    )
+    text = tok.decode([t for t in tokens if t not in stops]).strip()
+    cut_text = ", ".join(f"{c.held} -> {c.kept} pairs after {c.generated} tokens" for c in cuts) or "no cut"
+    print(
+        f"Q: {question}\nA: {text}\n   [{len(tokens)} tokens in {time.perf_counter() - start:.1f} s; {cut_text}]",
+        flush=True,
+    )
 
 
 def _report_kept(cfg, masked, context) -> None:
@@ -218,6 +282,13 @@ def add_parser(subparsers) -> None:
         "recent window (each head keeps what passes; the share kept is printed)",
     )
     options.add_method(parser)
+    parser.add_argument(
+        "--decode-budget",
+        type=int,
+        metavar="N",
+        help="fast-kvzip, kvzap: while answering, cut the cache back to N pairs per (layer, KV head) on average every "
+        "128 generated tokens (first 4 and last 128 tokens kept; docs/scorers.md)",
+    )
     parser.add_argument(
         "--self-study",
         action="store_true",

@@ -65,11 +65,15 @@ def generate(
     reserve: int = 0,
     stop_tokens: Sequence[int] = (),
     sampling: gen.Sampling | None = None,
+    cache: kv.KVCache | None = None,
+    scores: jax.Array | None = None,
 ):
     """Generates up to max_new_tokens after prompt [T], cutting the cache every `interval` tokens to `budget` pairs
     per (layer, KV head) on average (or to the pairs scoring at least `threshold`). capacity: slots per head (default
     2 x budget + interval + reserve, at least the prompt + interval + reserve); reserve: slots every cut leaves free
-    beyond the next block (room for a question after the generation). Returns (tokens, cache, cuts: list of Cut)."""
+    beyond the next block (room for a question after the generation). cache, scores: go on from a one-row dense
+    cache (donated) and its slots' scores [L, 1, K, C] (start_from), the prompt appended to it. Returns (tokens,
+    cache, cuts: list of Cut)."""
     if any(kind != FULL for kind in cfg.layer_types):
         raise UnsupportedArchitectureError("compression while decoding needs every layer evictable (no sliding window)")
     if (budget is None) == (threshold is None):
@@ -85,15 +89,24 @@ def generate(
             f"{prompt.size} prompt + {max_new_tokens} new tokens exceed the model's maximum position {cfg.max_position}"
         )
     room = interval + reserve  # what every cut leaves free in each head
+    if (cache is None) != (scores is None):
+        raise ValueError("a cache to go on from comes with its slots' scores (start_from)")
+    occupied = 0 if cache is None else int(kv.kept_per_head(cache).max())  # the fullest head's pairs
+    capacity = cache.layers[0].capacity if cache is not None else capacity
     capacity = capacity or max(2 * (budget or 0) + room, prompt.size + room)
-    if reserve < 0 or capacity < prompt.size + room:
+    if reserve < 0 or capacity < occupied + prompt.size + room:
         raise ValueError(
             f"a capacity of {capacity} holds no prompt of {prompt.size} tokens, a block of {interval} and a reserve "
-            f"of {reserve}"
+            f"of {reserve}" + (f" beside the {occupied} pairs held" if occupied else "")
         )
     observer = ScorerObserver(scorer)
-    logits, cache, scores = gen.prefill_observed(params, cfg, [prompt], observer, capacity=capacity)
-    scores = _slot_scores(scores, capacity)  # [L, 1, K, C]
+    if cache is None:
+        logits, cache, prompt_scores = gen.prefill_observed(params, cfg, [prompt], observer, capacity=capacity)
+        scores = _slot_scores(prompt_scores, capacity)  # [L, 1, K, C]
+    else:
+        mark = kv.mark(cache)
+        logits, cache, prompt_scores = gen.prefill_observed(params, cfg, [prompt], observer, cache)
+        scores = _placed(scores, prompt_scores[..., : prompt.size], mark)
     sampling = sampling or gen.Sampling.make()
     out, cuts = [], []
     while len(out) < max_new_tokens:
@@ -177,7 +190,14 @@ def _cut(cache: kv.KVCache, scores: jax.Array, budget, threshold, first: int, wi
     rank = jnp.argsort(order, axis=-1)  # [L, 1, K, C] each slot's place in its head
     keep &= rank < C - room
     layers = tuple(dataclasses.replace(layer, keep=k) for layer, k in zip(cache.layers, keep))
-    moved = jnp.argsort(jnp.where(keep, 0, C) + slots, axis=-1)  # kv.defragment's order
-    cache = kv.defragment(dataclasses.replace(cache, layers=layers))
-    scores = jnp.take_along_axis(jnp.where(keep, scores, -jnp.inf), moved, axis=-1)
-    return cache, scores
+    return start_from(dataclasses.replace(cache, layers=layers), scores)
+
+
+@jax.jit
+def start_from(masked: kv.KVCache, scores: jax.Array):
+    """(dense cache, scores [L, B, K, C]) from a masked cache and its slots' scores: kv.defragment moves each head's
+    kept pairs to the front, the scores move with them (-inf on the freed slots)."""
+    keep = jnp.stack([visible_slots(layer) for layer in masked.layers])  # [L, B, K, C]
+    C = keep.shape[-1]
+    moved = jnp.argsort(jnp.where(keep, 0, C) + jnp.arange(C), axis=-1)  # kv.defragment's order
+    return kv.defragment(masked), jnp.take_along_axis(jnp.where(keep, scores, -jnp.inf), moved, axis=-1)
