@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: demo test test-fast lint test-all test-quality bench models-large
+.PHONY: demo test test-fast lint test-all test-quality bench models-large scorers
 
 demo: $(VENV)/.installed
 	$(PYTHON) -m kvzip_jax.demo
@@ -49,6 +49,12 @@ test-quality: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(PYTHON) bench/prefill.py
+
+# The trained scorers of the bundled 0.5B model (docs/scorers.md): texts and features once (resumable), then the
+# linear regressor (kvzap) and the gates (fast-kvzip), into checkpoints/qwen2.5-coder-0.5b-instruct/scorers/.
+scorers: $(VENV)/.installed
+	$(VENV)/bin/kvzip-jax train-scorer --model qwen2.5-coder-0.5b-instruct --kind linear --batch 8
+	$(VENV)/bin/kvzip-jax train-scorer --model qwen2.5-coder-0.5b-instruct --kind gate --batch 8
 
 $(PYTHON):
 	$(PY) -m venv $(VENV)
