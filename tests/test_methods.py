@@ -224,3 +224,16 @@ def test_a_method_defined_here_runs_through_eval_with_table_and_plot(capsys, mon
     for name in ("summary.md", "summary.csv", "scores.png"):
         assert (out / name).stat().st_size > 0
     assert "toy-recent" in (out / "summary.csv").read_text()
+
+
+def test_method_specs_carry_options():
+    method, changes = methods.parse_spec("kvzap:threshold=-4:window=64")
+    assert method.name == "kvzap" and changes == {"threshold": -4, "window": 64}
+    assert methods.parse_spec("kvzip:level=layer") == (methods.get("kvzip"), {"level": "layer"})
+    assert methods.parse_spec("snapkv") == (methods.get("snapkv"), {})
+    with pytest.raises(methods.MethodError, match="no option"):
+        methods.parse_spec("kvzip:levels=layer")
+    with pytest.raises(methods.MethodError, match="NAME:OPTION=VALUE"):
+        methods.parse_spec("kvzip:layer")
+    with pytest.raises(methods.MethodError, match="unknown method 'magic'"):
+        methods.parse_spec("magic:x=1")

@@ -55,12 +55,14 @@ def test_train_both_kinds_resume_then_eval_reads_them(model, monkeypatch, tmp_pa
     assert "already exists" in capsys.readouterr().err
 
     argv = ["eval", "--model", "tiny", "--tasks", "passkey", "--contexts", "2", "--context-tokens", "100"]
-    argv += ["--methods", "fast-kvzip,kvzap", "--ratios", "1,0.3", "--batch-size", "2", "--no-progress"]
-    assert cli.main([*argv, "--out", str(tmp_path / "run")]) == 0
+    argv += ["--methods", "fast-kvzip,kvzap,kvzap:threshold=0", "--ratios", "1,0.3", "--batch-size", "2"]
+    assert cli.main([*argv, "--no-progress", "--out", str(tmp_path / "run")]) == 0
     records = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
     assert {(r["method"], r["ratio"]) for r in records} == {("full", 1.0)} | {
-        (m, r) for m in ("fast-kvzip", "kvzap") for r in (1.0, 0.3)
+        (m, r) for m in ("fast-kvzip", "kvzap", "kvzap:threshold=0") for r in (1.0, 0.3)
     }
+    by_threshold = {r["ratio"]: r["bytes"] for r in records if r["method"] == "kvzap:threshold=0"}
+    assert by_threshold[1.0] == by_threshold[0.3]  # a threshold ignores the ratio
     settings = json.loads((tmp_path / "run" / "results.jsonl.settings.json").read_text())
     assert set(settings["scorers"]) == {"gate", "linear"}
 

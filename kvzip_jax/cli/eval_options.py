@@ -17,7 +17,8 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--methods",
         default="kvzip,snapkv,pyramidkv,h2o,streamingllm,random",
-        help=f"comma-separated, from {','.join(methods.names())} (kvzip-jax methods describes them)",
+        help=f"comma-separated, from {','.join(methods.names())} (kvzip-jax methods describes them); a method with "
+        "options as NAME:OPTION=VALUE[:...], e.g. kvzap:threshold=-4 (ratio then ignored) or kvzip:level=layer",
     )
     parser.add_argument("--ratios", default="1,0.9,0.7,0.5,0.3,0.2,0.1", help="fractions of context pairs kept")
     parser.add_argument(

@@ -68,7 +68,7 @@ class SharedInputs:
         self.context_len = np.array([c.context_end - c.context_start for c in contexts], np.int32)  # [B]
         self._rows = [c.ids()[c.context_slice] for c in contexts]
         self._done: dict[str, object] = {}
-        self._shares_pass = any("queries" in methods.get(m).reads for m in sweep.config.methods)
+        self._shares_pass = any("queries" in methods.method_of(m).reads for m in sweep.config.methods)
 
     def inputs(self, method: methods.Method, observed: int | None) -> methods.Inputs:
         """The inputs `method` reads; observed: the question index in view (None: no question)."""
@@ -152,7 +152,10 @@ class Sweep:
         fingerprint: str | None = None,
     ):
         self.model, self.config, self.results, self.fingerprint = model, config, results, fingerprint
-        self.options = {name: methods.get(name).options_for(model.name, model.cfg) for name in config.methods}
+        self.options = {}  # per method spec ("kvzap:threshold=-4": kvzap with that option)
+        for spec in config.methods:
+            method, changes = methods.parse_spec(spec)
+            self.options[spec] = method.options_for(model.name, model.cfg, **changes)
         self.mesh = mesh or sharding.data_mesh()
         self.params = placement.replicate(model.params, self.mesh)
         self.stops = prompts.stop_token_ids(model.tokenizer)
@@ -218,7 +221,7 @@ class Sweep:
         """One method in one mode: per question set in view, one prepare, then per pending ratio a compressed cache
         answering its questions at every kv bits. reuse: no question; first: the first question, its cache reused
         for every question; oracle: each question's own."""
-        method, options = methods.get(name), self.options[name]
+        method, options = methods.method_of(name), self.options[name]
         question_sets = [None] if mode == "reuse" else [0] if mode == "first" else range(batch.num_questions)
         for observed in question_sets:
             inputs = shared.inputs(method, observed)

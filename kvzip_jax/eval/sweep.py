@@ -70,16 +70,17 @@ class SweepConfig:
     scorers: str | None = None  # a folder of trained scorers, <kind>/ each (None: scorers.scorer.scorer_dirs)
 
     def __post_init__(self):
-        unknown = sorted(set(self.methods) - set(methods.names()))
-        if unknown or not self.methods:
-            raise methods.MethodError(f"unknown method(s) {unknown}; choose from {', '.join(methods.names())}")
+        if not self.methods:
+            raise methods.MethodError(f"no method given; choose from {', '.join(methods.names())}")
+        for spec in self.methods:
+            methods.parse_spec(spec)  # an unknown name or option: MethodError
         if set(self.modes) - set(MODES) or not self.modes:
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         for ratio in self.ratios:
             check_ratio(ratio)
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.self_study and not any("probes" in methods.get(m).reads for m in self.methods):
+        if self.self_study and not any("probes" in methods.method_of(m).reads for m in self.methods):
             raise ValueError(
                 "self_study adds reference queries of self-study turns: name a method that reads them "
                 "(an am-* or kvzip-am method)"
@@ -103,7 +104,7 @@ class SweepConfig:
 
     def modes_of(self, method: str) -> tuple[str, ...]:
         """The modes a method runs in: every mode if it sees the question, else reuse."""
-        return self.modes if methods.get(method).question_aware else ("reuse",)
+        return self.modes if methods.method_of(method).question_aware else ("reuse",)
 
     def settings(self, model) -> dict:
         """What changes an answer (results.py): the model's and tokenizer's identity and the options that shape prompt
@@ -128,7 +129,7 @@ class SweepConfig:
 
     def scorer_kinds(self) -> tuple[str, ...]:
         """The kinds of trained scorer the sweep's methods read (methods whose options name a kind)."""
-        kinds = {methods.get(m).options.kind for m in self.methods if "scorer" in methods.get(m).reads}
+        kinds = {methods.method_of(m).options.kind for m in self.methods if "scorer" in methods.method_of(m).reads}
         return tuple(sorted(kinds))
 
     def load_scorer(self, model, kind: str):

@@ -179,6 +179,36 @@ def get(name: str) -> Method:
     return _REGISTRY[name]
 
 
+def parse_spec(spec: str) -> tuple[Method, dict]:
+    """(method, option changes) of a method spec: a name, or a name with options, "NAME:OPTION=VALUE[:...]" (e.g.
+    "kvzap:threshold=-4", "kvzip:level=layer"); values read as Python literals, else as text. MethodError for an
+    unknown name or option, or a malformed part."""
+    import ast
+
+    name, *parts = spec.split(":")
+    method = get(name.strip())
+    changes = {}
+    for part in parts:
+        option, sep, text = part.partition("=")
+        if not sep or not option.strip():
+            raise MethodError(f"{spec!r}: options go as NAME:OPTION=VALUE, got {part!r}")
+        try:
+            changes[option.strip()] = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            changes[option.strip()] = text.strip()
+    unknown = sorted(set(changes) - set(method.option_defaults()))
+    if unknown:
+        raise MethodError(
+            f"{spec!r}: {method.name} has no option(s) {unknown}; its options are {sorted(method.option_defaults())}"
+        )
+    return method, changes
+
+
+def method_of(spec: str) -> Method:
+    """The method a spec names (parse_spec)."""
+    return parse_spec(spec)[0]
+
+
 def names() -> tuple[str, ...]:
     """Every registered name, family by family (FAMILIES' order), each in registration order."""
     return tuple(sorted(_REGISTRY, key=lambda name: list(FAMILIES).index(_REGISTRY[name].family)))
