@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
+from kvzip_jax.errors import UnsupportedArchitectureError
 from kvzip_jax.models.transformer import forward
 from kvzip_jax.scorers.scorer import Scorer
 
@@ -61,6 +62,8 @@ def observe_context(
     """Each layer's observer output over the context tokens [B, n] (right-padded; context_len [B] real), fed at
     positions prefix_len + i over the cache's prefix: [C, L, ...] per chunk, the chunk's T = `chunk` tokens last or
     next to last as the observer returns them."""
+    if cfg.mla is not None:
+        raise UnsupportedArchitectureError("trained scorers score KV heads: multi-head latent attention has none")
     B, n = context_tokens.shape
     C = -(-n // chunk)
     tokens = jnp.pad(context_tokens, ((0, 0), (0, C * chunk - n))).reshape(B, C, chunk).transpose(1, 0, 2)
