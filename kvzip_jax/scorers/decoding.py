@@ -74,8 +74,10 @@ def generate(
     beyond the next block (room for a question after the generation). cache, scores: go on from a one-row dense
     cache (donated) and its slots' scores [L, 1, K, C] (start_from), the prompt appended to it. Returns (tokens,
     cache, cuts: list of Cut)."""
-    if any(kind != FULL for kind in cfg.layer_types):
-        raise UnsupportedArchitectureError("compression while decoding needs every layer evictable (no sliding window)")
+    if any(kind != FULL for kind in cfg.layer_types) or cfg.mla is not None:
+        raise UnsupportedArchitectureError(
+            "compression while decoding needs every layer evictable, by KV head (no sliding window, no latent cache)"
+        )
     if (budget is None) == (threshold is None):
         raise ValueError("give a budget or a threshold")
     prompt = np.asarray(prompt, np.int32).reshape(-1)
