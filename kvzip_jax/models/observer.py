@@ -53,6 +53,13 @@ class AttentionView:
 Observer = Callable[[AttentionView], Any]
 
 
+def hidden_only(observer) -> bool:
+    """Whether an observer reads a layer's normed attention input alone (its class sets hidden_only = True and has
+    of_hidden(layer, hidden [B, T, D])): the layer then attends as it does without an observer, and hands it only
+    that (a grouped-query layer; a latent one shows its full view)."""
+    return getattr(observer, "hidden_only", False)
+
+
 def map_key_blocks(block_stats, num_keys: int, size: int = KEY_BLOCK) -> jax.Array:
     """Per-key statistics [B, K, num_keys, ...] computed over blocks of `size` keys (fewer for fewer keys) one at a
     time (lax.map), so an observer's [rows x keys] intermediates never exceed one block. block_stats(start, size)

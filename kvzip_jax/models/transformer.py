@@ -17,7 +17,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax.config import ModelConfig
 from kvzip_jax.models import attention, layers, mla, ragged_attention
 from kvzip_jax.models.cached_attention import decode_kernel, decode_kernel_applies, quantized_attention
-from kvzip_jax.models.observer import AttentionView, Observer
+from kvzip_jax.models.observer import AttentionView, Observer, hidden_only
 from kvzip_jax.models.params import layer_name, param_shapes
 from kvzip_jax.models.seq_attention import merged_attention, seq_split, split_write
 from kvzip_jax.sharding.mesh import DATA, TENSOR, constrain
@@ -84,9 +84,10 @@ class Block(nn.Module):
         q = q.reshape(B, T, K, G, H)
         o_proj = p("o")  # [N H, D]
         window = cfg.window_for(i)
-        if self.observer is None:  # write first, so XLA updates a donated cache in place (see attention.py)
+        if self.observer is None or hidden_only(self.observer):  # write first: XLA updates a donated cache in place
             layer_cache = _write(layer_cache, k_new, v_new, num_new)
-            out, observed = self._attend_written(q, layer_cache, query_slots, window), None
+            out = self._attend_written(q, layer_cache, query_slots, window)
+            observed = None if self.observer is None else self.observer.of_hidden(i, h)
         else:
             out, observed = self._observe(q, h, layer_cache, k_new, v_new, query_slots, window, o_proj)
             layer_cache = _write(layer_cache, k_new, v_new, num_new)

@@ -26,21 +26,31 @@ CHUNK = 512  # context tokens per scanned forward (generate.DEFAULT_CHUNK)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class HiddenObserver:
-    """Observes a layer's normed attention input: [B, T, D] float32."""
+    """Observes a layer's normed attention input: [B, T, D] float32 (the layer attends as without an observer)."""
+
+    hidden_only = True
+
+    def of_hidden(self, layer: int, hidden: jax.Array) -> jax.Array:
+        return hidden.astype(jnp.float32)
 
     def __call__(self, view) -> jax.Array:
-        return view.hidden.astype(jnp.float32)
+        return self.of_hidden(view.layer, view.hidden)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ScorerObserver:
-    """Observes a layer's scores by a trained scorer: [B, K, T] float32 (Scorer.layer_scores)."""
+    """Observes a layer's scores by a trained scorer: [B, K, T] float32 (Scorer.layer_scores; the layer attends as
+    without an observer)."""
 
     scorer: Scorer
+    hidden_only = True
+
+    def of_hidden(self, layer: int, hidden: jax.Array) -> jax.Array:
+        return self.scorer.layer_scores(layer, hidden)
 
     def __call__(self, view) -> jax.Array:
-        return self.scorer.layer_scores(view.layer, view.hidden)
+        return self.of_hidden(view.layer, view.hidden)
 
 
 def prefix_view(cache: kv.KVCache, prefix_len: jax.Array) -> kv.KVCache:
