@@ -60,7 +60,8 @@ def _prepare(params, cfg, cache: kv.KVCache, inputs: Inputs, options: ScorerOpti
         params, cfg, cache, inputs.prefix_len, context_len, inputs.context_tokens, inputs.scorer
     )  # [L, B, K, n]
     n = scores.shape[-1]
-    recent = jnp.arange(n) >= (context_len - recent_window(context_len, options))[:, None]  # [B, n]
+    column = jnp.arange(n)
+    recent = (column >= (context_len - recent_window(context_len, options))[:, None]) & (column < context_len[:, None])
     return jnp.where(recent[None, :, None, :], jnp.inf, scores)
 
 
