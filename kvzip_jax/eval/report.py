@@ -113,14 +113,15 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
 
 def save_png(fig: Figure, path: Path, colors: int = 64) -> None:
     """The figure as a palette PNG of at most `colors` colours (a plot's flat colours survive; a quarter of the
-    bytes of matplotlib's RGBA PNG), at 120 dpi."""
+    bytes of matplotlib's RGBA PNG), at 120 dpi, its encoding optimised."""
     from PIL import Image
 
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=120)
     buffer.seek(0)
     with Image.open(buffer) as image:
-        image.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT).save(path, format="PNG")
+        palette = image.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
+        palette.save(path, format="PNG", optimize=True)
 
 
 def _write_text(path: str | os.PathLike, text: str) -> Path:
