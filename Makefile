@@ -73,4 +73,7 @@ models-large: $(VENV)/.installed
 # torch==2.13.0 (the test oracle) resolves to the CPU wheel on local disk.
 $(VENV)/.installed-test: $(VENV)/.installed
 	$(PYTHON) -m pip install -e '.[test]'
+	# tpu-inference's reference kernel (kvzip_jax/serving reads it out of the wheel; never installed: the wheel also
+	# installs top-level tests and tools packages)
+	$(PYTHON) -m pip download --no-deps --ignore-requires-python tpu-inference==0.32.0 -d $(VENV)/wheels
 	touch $@

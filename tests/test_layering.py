@@ -26,7 +26,7 @@ LAYERS = (
     ("kvzip_jax.cache",),
     ("kvzip_jax.sharding",),  # mesh and partition rules: nothing from models/
     ("kvzip_jax.models",),
-    ("kvzip_jax.weights", "kvzip_jax.generate", "kvzip_jax.memory_plan"),
+    ("kvzip_jax.weights", "kvzip_jax.generate", "kvzip_jax.memory_plan", "kvzip_jax.serving"),
     ("kvzip_jax.kvzip", "kvzip_jax.cache_io"),
     ("kvzip_jax.baselines",),  # they reuse kvzip's observation and budgets
     ("kvzip_jax.matching",),
