@@ -1,14 +1,15 @@
 """Our RULER answers beside kvpress's, paired per sample at the same ratio.
 
 Prints, per method and ratio, each task's score on both sides, the paired difference ours - kvpress with its 95%
-bootstrap interval, the full caches' agreement and answers per minute, as a markdown table.
+bootstrap interval and the full caches' agreement, as a markdown table. Throughput is not here: the records' seconds
+of the two sides time different things (ours leave out the batch's prefill and scoring); bench/ruler_throughput.py
+times both sides' whole runs on the same samples.
 
     python bench/ruler_pairs.py OURS [OURS ...] --kvpress KVPRESS.jsonl [--map press=method,...] [--out FILE]
 
 OURS: `kvzip-jax eval` results files (results.jsonl or results.jsonl.gz; quantized caches named as the report names
 them, statistics.labelled). KVPRESS: one JSON object a line, {"task", "example" (our example id), "question" (int),
-"press" ("none" for the full cache), "compression_ratio", "prediction", "references", "seconds" (the line's share
-of its pipeline call: the call's wall time over its questions)}. A kvpress line pairs with our
+"press" ("none" for the full cache), "compression_ratio", "prediction", "references"}. A kvpress line pairs with our
 record of the same (task, example, question), of the method its press maps to (--map), at ratio 1 - compression_ratio
 (in --mode, reuse by default: kvpress's presses see no question; the full cache in mode full).
 
@@ -16,12 +17,6 @@ kvpress's predictions are scored here with our metric of the paired record (kvzi
 were scored with: a blank prediction scores 0; string_match_all first cleans the prediction as RULER does, stripped,
 each control character \\x00-\\x1f made a newline, stripped again, where kvpress deletes control characters; a
 reference never holds one, so a match differs only where a control character splits a reference's letters).
-
-Answers per minute: answers / summed seconds. Ours: the records' seconds summed, each record's share of the time its
-configuration took on its batch (kvzip_jax/eval/runner.py: compressing at that ratio and answering; the full cache:
-answering), divided evenly among the records written. The clock starts after the batch's prefill and the method's
-scoring (its prepare) are dispatched: what of them JAX, dispatching asynchronously, is still running is counted, the
-rest is not; a batch that compiles counts its compilation.
 """
 
 from __future__ import annotations
@@ -97,24 +92,11 @@ def pair(
     return dict(pairs), unpaired
 
 
-def per_minute(answers: int, seconds: float | None) -> float | None:
-    """Answers per minute; None without seconds."""
-    return 60 * answers / seconds if seconds else None
-
-
-def _seconds(paired: Sequence[tuple]) -> tuple[float | None, float | None]:
-    """(ours, kvpress's): each side's records' seconds summed, None where a side lacks them."""
-    ours = sum(r["seconds"] for r, _, _ in paired) if all("seconds" in r for r, _, _ in paired) else None
-    theirs = sum(line["seconds"] for _, line, _ in paired) if all("seconds" in line for _, line, _ in paired) else None
-    return ours, theirs
-
-
 def compare(pairs: Mapping[tuple, list], seed: int = 0) -> list[dict]:
     """Rows per (method, ratio), full cache first, then method, descending ratio: one per task and one for the
     average over tasks (task AVERAGE): n, ours, theirs, difference, difference_lo, difference_hi (%,
     leaderboard.paired_difference), full_agree (% of the paired samples whose two full-cache predictions are equal
-    after stripping whitespace; None where no sample has both), ours_per_minute and theirs_per_minute (answers per
-    minute; None without seconds)."""
+    after stripping whitespace; None where no sample has both)."""
     full = {_sample(r): (r["prediction"], line["prediction"]) for r, line, _ in pairs.get(("full", 1.0), [])}
     rows = []
     for method, ratio in sorted(pairs, key=lambda k: (k[0] != "full", k[0], -k[1])):
@@ -129,7 +111,6 @@ def compare(pairs: Mapping[tuple, list], seed: int = 0) -> list[dict]:
         for task, stats in [*per_task.items(), (AVERAGE, average)]:
             paired = pairs[method, ratio] if task == AVERAGE else by_task[task]
             both = [full[_sample(r)] for r, _, _ in paired if _sample(r) in full]
-            ours_seconds, theirs_seconds = _seconds(paired)
             rows.append(
                 {
                     "method": method,
@@ -137,8 +118,6 @@ def compare(pairs: Mapping[tuple, list], seed: int = 0) -> list[dict]:
                     "task": task,
                     **stats,
                     "full_agree": 100 * sum(a.strip() == b.strip() for a, b in both) / len(both) if both else None,
-                    "ours_per_minute": per_minute(len(paired), ours_seconds),
-                    "theirs_per_minute": per_minute(len(paired), theirs_seconds),
                 }
             )
     return rows
@@ -152,14 +131,13 @@ def markdown(rows: Sequence[dict]) -> str:
     """The compare rows as a markdown table ("ruler_" stripped from task names; "-" marks None)."""
     lines = [
         "| method | ratio | compression_ratio | task | n | ours (%) | kvpress (%) | ours - kvpress [95%] "
-        "| full caches agree (%) | ours answers/min | kvpress answers/min |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| full caches agree (%) |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         difference = f"{r['difference']:+.1f} [{r['difference_lo']:+.1f}, {r['difference_hi']:+.1f}]"
         cells = [r["method"], f"{r['ratio']:g}", f"{round(1 - r['ratio'], 6):g}", r["task"].removeprefix("ruler_")]
         cells += [str(r["n"]), _cell(r["ours"]), _cell(r["theirs"]), difference, _cell(r["full_agree"])]
-        cells += [_cell(r["ours_per_minute"]), _cell(r["theirs_per_minute"])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -167,11 +167,11 @@ def _ruler_pairs():
 def test_ruler_pairs(tmp_path, capsys):
     bench = _ruler_pairs()
 
-    def ours(task, example, method, prediction, references, seconds):
+    def ours(task, example, method, prediction, references):
         score = bench.metrics.score("string_match_all", prediction, references)
-        return {**rec(task, example, 0, method, 0.5, score, seconds=seconds), "prediction": prediction}
+        return {**rec(task, example, 0, method, 0.5, score), "prediction": prediction}
 
-    def theirs(task, example, press, prediction, references, seconds):
+    def theirs(task, example, press, prediction, references):
         ratio = 0.0 if press == "none" else 0.5
         return dict(
             task=task,
@@ -181,32 +181,31 @@ def test_ruler_pairs(tmp_path, capsys):
             compression_ratio=ratio,
             prediction=prediction,
             references=references,
-            seconds=seconds,
         )
 
     x, w = ["x1", "x2"], ["w1", "w2"]
     our_file = write_jsonl(
         tmp_path / "results.jsonl",
         [
-            ours("ruler_vt", "e0", "full", "x1 x2", x, 0.5),
-            ours("ruler_vt", "e1", "full", "x1", x, 0.5),
-            ours("ruler_cwe", "e0", "full", "w1 w2", w, 1.0),
-            ours("ruler_vt", "e0", "kvzip", "x1", x, 0.25),
-            ours("ruler_vt", "e1", "kvzip", "", x, 0.25),
-            ours("ruler_cwe", "e0", "kvzip", "w1 w2", w, 0.5),
+            ours("ruler_vt", "e0", "full", "x1 x2", x),
+            ours("ruler_vt", "e1", "full", "x1", x),
+            ours("ruler_cwe", "e0", "full", "w1 w2", w),
+            ours("ruler_vt", "e0", "kvzip", "x1", x),
+            ours("ruler_vt", "e1", "kvzip", "", x),
+            ours("ruler_cwe", "e0", "kvzip", "w1 w2", w),
         ],
     )
     kvpress_file = write_jsonl(
         tmp_path / "kvpress.jsonl",
         [
-            theirs("ruler_vt", "e0", "none", "x1 x2", x, 1.0),
-            theirs("ruler_vt", "e1", "none", " x1\n", x, 1.0),  # equal to ours but for whitespace
-            theirs("ruler_cwe", "e0", "none", "w1", w, 1.0),  # not equal to ours
-            theirs("ruler_vt", "e0", "kvzip", "X1\x02X2", x, 0.5),  # RULER's cleaning: the \x02 a newline
-            theirs("ruler_vt", "e1", "kvzip", "  ", x, 0.5),
-            theirs("ruler_cwe", "e0", "kvzip", "w2", w, 0.5),
-            theirs("ruler_vt", "e0", "knorm", "x1", x, 0.5),  # not mapped
-            theirs("ruler_vt", "e0", "snapkv", "x1", x, 0.5),  # no snapkv records of ours
+            theirs("ruler_vt", "e0", "none", "x1 x2", x),
+            theirs("ruler_vt", "e1", "none", " x1\n", x),  # equal to ours but for whitespace
+            theirs("ruler_cwe", "e0", "none", "w1", w),  # not equal to ours
+            theirs("ruler_vt", "e0", "kvzip", "X1\x02X2", x),  # RULER's cleaning: the \x02 a newline
+            theirs("ruler_vt", "e1", "kvzip", "  ", x),
+            theirs("ruler_cwe", "e0", "kvzip", "w2", w),
+            theirs("ruler_vt", "e0", "knorm", "x1", x),  # not mapped
+            theirs("ruler_vt", "e0", "snapkv", "x1", x),  # no snapkv records of ours
         ],
     )
     out = tmp_path / "pairs.md"
@@ -216,12 +215,11 @@ def test_ruler_pairs(tmp_path, capsys):
     assert "1 kvpress lines: no record of ours for snapkv at 0.5" in captured.err
     lines = captured.out.strip().splitlines()
     assert out.read_text() == captured.out and len(lines) == 2 + 2 * 3
-    # full: vt (1, 0.5) on both sides; cwe ours 1, kvpress 0.5; one of 3 predictions differs (cwe); ours 3 answers
-    # in 2 s, kvpress 3 contexts of 1 s
-    assert lines[4] == "| full | 1 | 0 | average | 3 | 87.5 | 62.5 | +25.0 [+25.0, +25.0] | 66.7 | 90.0 | 60.0 |"
-    # kvzip at 0.5: vt ours (0.5, 0), kvpress (1, 0); cwe ours 1, kvpress 0.5; ours 3 answers in 1 s, kvpress in 1.5
-    assert lines[5] == "| kvzip | 0.5 | 0.5 | cwe | 1 | 100.0 | 50.0 | +50.0 [+50.0, +50.0] | 0.0 | 120.0 | 120.0 |"
-    assert lines[7] == "| kvzip | 0.5 | 0.5 | average | 3 | 62.5 | 50.0 | +12.5 [+0.0, +25.0] | 66.7 | 180.0 | 120.0 |"
+    # full: vt (1, 0.5) on both sides; cwe ours 1, kvpress 0.5; one of 3 predictions differs (cwe)
+    assert lines[4] == "| full | 1 | 0 | average | 3 | 87.5 | 62.5 | +25.0 [+25.0, +25.0] | 66.7 |"
+    # kvzip at 0.5: vt ours (0.5, 0), kvpress (1, 0); cwe ours 1, kvpress 0.5
+    assert lines[5] == "| kvzip | 0.5 | 0.5 | cwe | 1 | 100.0 | 50.0 | +50.0 [+50.0, +50.0] | 0.0 |"
+    assert lines[7] == "| kvzip | 0.5 | 0.5 | average | 3 | 62.5 | 50.0 | +12.5 [+0.0, +25.0] | 66.7 |"
     assert bench.press_map("knorm=kvzip, none=full")["knorm"] == "kvzip"
     with pytest.raises(ValueError, match="press=method"):
         bench.press_map("knorm")
