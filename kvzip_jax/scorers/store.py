@@ -12,12 +12,8 @@ failure the temporary folder is removed, so a scorer folder either is complete o
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import jax
@@ -25,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax.errors import KvzipError
+from kvzip_jax.weights.checkpoint import atomic_dir
 
 PARAMS, MANIFEST = "params", "manifest.json"
 KINDS = {
@@ -56,31 +53,6 @@ def scorer_config(kind: str, params: dict) -> dict[str, int]:
     _, H, S, R = shape("k_base")
     G = shape("b")[2]
     return {"layers": L, "hidden": D, "kv_heads": H, "group": G, "rank": R, "sinks": S}
-
-
-@contextlib.contextmanager
-def _atomic_dir(target: Path, overwrite: bool):
-    """Yields a temporary sibling folder of `target`; renames it to `target` when the block succeeds, removes it
-    when the block raises. An existing `target` is replaced only with overwrite=True."""
-    if target.exists() and not overwrite:
-        raise ScorerFileError(f"{target} already exists; remove it or pass overwrite=True")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        if not target.exists():
-            os.rename(tmp, target)
-        elif overwrite:
-            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old)
-        else:
-            raise ScorerFileError(f"{target} was created by another writer meanwhile")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _jsonable(value):
@@ -120,7 +92,7 @@ def save_scorer(
     record = {"kind": kind, "config": fields, **{k: v for k, v in manifest.items() if k not in ("kind", "config")}}
     text = json.dumps(record, indent=2, default=_jsonable) + "\n"  # before writing anything: fails on bad values
     directory = Path(directory).absolute()
-    with _atomic_dir(directory, overwrite) as tmp:
+    with atomic_dir(directory, overwrite, error=ScorerFileError) as tmp:
         with ocp.StandardCheckpointer() as checkpointer:
             checkpointer.save(tmp / PARAMS, jax.tree.map(jnp.asarray, params))
             checkpointer.wait_until_finished()

@@ -38,12 +38,12 @@ def is_checkpoint(path: str | Path) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | Path, overwrite: bool = False):
+def atomic_dir(target: str | Path, overwrite: bool = False, error: type[Exception] = ModelFileError):
     """Yields a temporary sibling folder of `target`; renames it to `target` when the block succeeds, removes it
-    when the block raises. An existing `target` is replaced only with overwrite=True."""
+    when the block raises. An existing `target` is replaced only with overwrite=True (else `error`)."""
     target = Path(target).absolute()
     if target.exists() and not overwrite:
-        raise ModelFileError(f"{target} already exists; remove it or pass overwrite=True")
+        raise error(f"{target} already exists; remove it or pass overwrite=True")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -57,7 +57,7 @@ def atomic_dir(target: str | Path, overwrite: bool = False):
             os.rename(tmp, target)
             shutil.rmtree(old)
         else:
-            raise ModelFileError(f"{target} was created by another writer meanwhile")
+            raise error(f"{target} was created by another writer meanwhile")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
