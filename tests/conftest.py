@@ -386,3 +386,16 @@ def sweep_record(task, example, question, method, mode, ratio, score, **extra) -
         **defaults,
         **extra,
     }
+
+
+def bench_module(name: str):
+    """bench/<name>.py imported as the module bench_<name> (registered in sys.modules: its dataclasses look it up)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

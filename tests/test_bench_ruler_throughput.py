@@ -1,22 +1,13 @@
 """bench/ruler_throughput.py's parts that run no model: the subset both sides read, the table, and the refusals
 before anything runs (an existing folder, a ratio out of range)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
+from tests.conftest import bench_module
 
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "ruler_throughput.py"
-    spec = importlib.util.spec_from_file_location("bench_ruler_throughput", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = bench_module("ruler_throughput")
 
 
 def rows():

@@ -2,15 +2,13 @@
 report, paired differences, and bench/ruler_pairs.py on two tiny hand-made files."""
 
 import csv
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvzip_jax.eval import leaderboard, report
-from tests.conftest import sweep_record
+from tests.conftest import bench_module, sweep_record
 
 TASKS = ["ruler_cwe", "ruler_niah_single_1", "ruler_vt"]
 
@@ -156,16 +154,8 @@ def test_paired_difference():
         leaderboard.paired_difference({"a": [1.0]}, {"b": [1.0]})
 
 
-def _ruler_pairs():
-    path = Path(__file__).resolve().parents[1] / "bench" / "ruler_pairs.py"
-    spec = importlib.util.spec_from_file_location("bench_ruler_pairs", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_ruler_pairs(tmp_path, capsys):
-    bench = _ruler_pairs()
+    bench = bench_module("ruler_pairs")
 
     def ours(task, example, method, prediction, references):
         score = bench.metrics.score("string_match_all", prediction, references)
