@@ -2,8 +2,6 @@
 broken script is found here and not on the GPU machine's clock."""
 
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -11,14 +9,11 @@ from kvzip_jax.errors import ModelFileError
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.checkpoint import save_checkpoint
-from tests.conftest import bundled_tokenizer
+from tests.conftest import bench_module, bundled_tokenizer
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).resolve().parents[1] / "bench" / "gpu.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return bench_module("gpu")
 
 
 def _check_rows(out: str) -> None:

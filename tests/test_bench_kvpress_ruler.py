@@ -4,26 +4,16 @@ context and press cut short) and main()'s paths that load no model (a bad datase
 output already complete: nothing to run). The pipeline itself is checked by the manual command in the script's
 docstring (bench/README.md), in .venv-kvpress."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pyarrow
 import pytest
 from pyarrow import parquet
 
+from tests.conftest import bench_module
 
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "kvpress_ruler.py"
-    spec = importlib.util.spec_from_file_location("bench_kvpress_ruler", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _bench()
+bench = bench_module("kvpress_ruler")
 
 
 def row(task, example, question, context="some context " * 10, answer=("a",), max_new_tokens=16, prefix="Answer:"):

@@ -2,25 +2,17 @@
 (here the test's own line-for-line copy of it, tests/test_prompts.py; the pipeline's own dump is the committed
 bench/results/ruler-4096-qwen2.5-coder-0.5b/same-ids.txt)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 from kvzip_jax.eval.tasks import dataset, ruler
 from kvzip_jax.weights import registry
 
-from .conftest import bundled_tokenizer, tokenizer_folder
+from .conftest import bench_module, bundled_tokenizer, tokenizer_folder
 from .test_prompts import kvpress_preprocess
 
 
 def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "ruler_same_ids.py"
-    spec = importlib.util.spec_from_file_location("bench_ruler_same_ids", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("ruler_same_ids")
 
 
 def test_equal_ids_pass_and_a_changed_id_is_named(tmp_path, capsys):

@@ -1,10 +1,6 @@
 """KVzip answer quality on the real Qwen2.5-Coder-0.5B-Instruct: one bundled context, six questions asked of one
 compressed cache (bench/quality.py runs all contexts and ratios)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
@@ -18,19 +14,14 @@ from kvzip_jax.models.params import init_params
 from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights import registry
 
-from .conftest import drop_compiled_and_freed
+from .conftest import bench_module, drop_compiled_and_freed
 from .test_kvzip_score import oracle_scores, tiny_config
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "quality.py"
 CONTEXT = "minutes"
 
 
 def _bench_quality():
-    spec = importlib.util.spec_from_file_location("bench_quality", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("quality")
 
 
 @pytest.fixture(scope="module")
