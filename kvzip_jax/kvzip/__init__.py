@@ -11,6 +11,7 @@ from kvzip_jax.kvzip.scoring import (
     check_context_cache,
     reread_inputs,
     score,
+    without_host_callbacks,
 )
 
 evict = keep_mask
@@ -34,4 +35,5 @@ __all__ = [
     "save_head_scores",
     "score",
     "score_and_evict",
+    "without_host_callbacks",
 ]

@@ -221,7 +221,8 @@ def check_context_cache(cache: kv.KVCache, prefix_len, context_len) -> None:
     lengths, position = cache.lengths(), cache.next_position  # [L, B, K], [B]
     expected = jnp.asarray(prefix_len, jnp.int32) + jnp.asarray(context_len, jnp.int32)  # [B]
     if any(isinstance(x, jax.core.Tracer) for x in (lengths, position, expected)):
-        jax.debug.callback(_raise_unless_context_only, lengths, position, expected)
+        if _HOST_CALLBACKS[-1]:
+            jax.debug.callback(_raise_unless_context_only, lengths, position, expected)
     else:
         _raise_unless_context_only(lengths, position, expected)
 
@@ -277,7 +278,8 @@ def score(
             logits=None,
         )
         scores = jnp.stack(aux["observed"])
-        jax.debug.callback(_report_chunk, t + 1, C, scores[0, 0, 0, 0])  # once computed
+        if _HOST_CALLBACKS[-1]:
+            jax.debug.callback(_report_chunk, t + 1, C, scores[0, 0, 0, 0])  # once computed
         return scores
 
     # One traced chunk forward whatever the number of chunks: compilation does not grow with the context.
@@ -288,6 +290,18 @@ def score(
 
 
 _PROGRESS: list[Callable[[int, int], None]] = []  # chunk_progress listeners
+_HOST_CALLBACKS = [True]  # the innermost without_host_callbacks block sets False
+
+
+@contextlib.contextmanager
+def without_host_callbacks():
+    """Traced within the block, `score` and `check_context_cache` add no host callback (no chunk progress, no layout
+    check under jit): a program jax.export can serialize. Trace a fresh jit inside the block (jit reuses a trace)."""
+    _HOST_CALLBACKS.append(False)
+    try:
+        yield
+    finally:
+        _HOST_CALLBACKS.pop()
 
 
 @contextlib.contextmanager
