@@ -26,8 +26,9 @@ LAYERS = (
     ("kvzip_jax.cache",),
     ("kvzip_jax.sharding",),  # mesh and partition rules: nothing from models/
     ("kvzip_jax.models",),
-    ("kvzip_jax.weights", "kvzip_jax.generate", "kvzip_jax.memory_plan", "kvzip_jax.serving"),
+    ("kvzip_jax.weights", "kvzip_jax.generate", "kvzip_jax.memory_plan"),
     ("kvzip_jax.kvzip", "kvzip_jax.cache_io"),
+    ("kvzip_jax.serving",),  # a cache in an engine's pages, decoded there, saved under cache_io's rules
     ("kvzip_jax.baselines",),  # they reuse kvzip's observation and budgets
     ("kvzip_jax.matching",),
     ("kvzip_jax.scorers",),  # trained scorers: their models, features (the forward's observer) and training data

@@ -1,5 +1,5 @@
 """kvzip-jax compress: prefill a context once, compress its cache (any method of the registry: KVzip by default),
-then answer questions from the compressed cache, or save it for `ask` and `chat`."""
+then answer questions from the compressed cache, or save it for `ask` and `chat`, or in a serving engine's pages."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def _check_choices(args: argparse.Namespace) -> None:
             args.subparser.error("--decode-budget answers now from a dense cache: no --save, no --kv-bits")
         if args.decode_budget < 1:
             args.subparser.error(f"--decode-budget must be >= 1, got {args.decode_budget}")
+    options.check_export_paged(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,9 +97,10 @@ def run(args: argparse.Namespace) -> int:
     masked, how, prepared = common.evict(args, model, cache, context, head_scores)
     budgeted = None if args.decode_budget is None else _decoding_start(args, model, masked, prepared, context)
     room = (max(map(len, suffixes)) if suffixes else INTERACTIVE_QUESTION_ROOM) + args.max_new_tokens
-    if args.save:  # questions asked later: room for any question of the interactive size
+    if args.save or args.export_paged:  # questions asked later: room for any question of the interactive size
         room = max(room, INTERACTIVE_QUESTION_ROOM + args.max_new_tokens)
     room = args.room or room
+    paged = _paged(args, masked, room) if args.export_paged else None  # NonUniformCacheError before any write
     compressed = common.quantized(args, kv.pack(masked, room))
     jax.block_until_ready(compressed)
     level = f", {args.level} level" if args.level else ""
@@ -117,10 +119,12 @@ def run(args: argparse.Namespace) -> int:
         f"{int(compressed.room().min())} more tokens)"
     )
     del cache, masked
+    if paged is not None:
+        _write_paged(args, model, paged, context)
     if args.save:
         _save(args, model, compressed, context)
-        if questions is None:  # saved for later: no questions read now
-            return 0
+    if (args.save or paged is not None) and questions is None:  # saved for later: no questions read now
+        return 0
 
     pending = zip(questions, suffixes) if questions is not None else ((q, None) for q in common.stdin_questions())
     for question, suffix in pending:
@@ -228,13 +232,12 @@ def _kv_layout(keys, values, head_dim: int) -> str:
     return f"{described(keys, 'keys ')}, {described(values, 'values ')}"
 
 
-def _save(args: argparse.Namespace, model, compressed, context) -> None:
-    """Writes the compressed cache to --save with what `ask --cache` needs (model, how it was made, the context)."""
-    from kvzip_jax import cache as kv
+def _meta(args: argparse.Namespace, context) -> dict:
+    """What a saved cache or export records of how it was made (the model, the method, the context)."""
     from kvzip_jax import cache_io
 
     ids = context.ids()
-    meta = {
+    return {
         "model_source": str(args.model),
         "method": args.method,
         "level": args.level,
@@ -250,12 +253,45 @@ def _save(args: argparse.Namespace, model, compressed, context) -> None:
             "file": str(Path(args.context).absolute()),
         },
     }
+
+
+def _save(args: argparse.Namespace, model, compressed, context) -> None:
+    """Writes the compressed cache to --save with what `ask --cache` needs (model, how it was made, the context)."""
+    from kvzip_jax import cache as kv
+    from kvzip_jax import cache_io
+
     start = time.perf_counter()
-    path = cache_io.save(args.save, compressed, model, meta, overwrite=args.overwrite)
+    path = cache_io.save(args.save, compressed, model, _meta(args, context), overwrite=args.overwrite)
     on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     print(
         f"saved to {path}/ in {time.perf_counter() - start:.1f} s: {on_disk:,} bytes on disk, "
         f"{kv.nbytes(compressed):,} bytes in memory ({kv.used_bytes(compressed):,} filled)"
+    )
+
+
+def _paged(args: argparse.Namespace, masked, room: int):
+    """--export-paged: the compressed cache in the engine's pages (kvzip_jax.serving) with `room` free slots per
+    sequence; a cache whose (layer, KV head)s keep unequal counts is a NonUniformCacheError here."""
+    from kvzip_jax import serving
+
+    packing = serving.dtype_packing(masked.layers[0].k.dtype)
+    if args.paged_layout == "tpu" and args.page_size % packing:
+        args.subparser.error(f"--page-size must be a multiple of {packing} for the tpu layout in this dtype")
+    export = serving.export_tpu if args.paged_layout == "tpu" else serving.export_gpu
+    return export(masked, args.page_size, room=room)
+
+
+def _write_paged(args: argparse.Namespace, model, export, context) -> None:
+    """Writes the export to --export-paged (serving.export_io: atomically, manifest last) and says what it holds."""
+    from kvzip_jax.serving import export_io
+
+    start = time.perf_counter()
+    path = export_io.save(args.export_paged, export, model, _meta(args, context), overwrite=args.overwrite)
+    on_disk = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    print(
+        f"exported to {path}/ in {time.perf_counter() - start:.1f} s: {export.layout} pages of {export.page_size} "
+        f"slots, {export.pages_per_seq} per sequence, kv_len {int(export.kv_lens[0])}, next position "
+        f"{int(export.positions[0])}; {on_disk:,} bytes on disk"
     )
 
 
@@ -327,7 +363,8 @@ def add_parser(subparsers) -> None:
         help="write the compressed cache to DIR (atomically, with a "
         "manifest); answer from it later with: kvzip-jax ask --cache DIR",
     )
-    parser.add_argument("--overwrite", action="store_true", help="--save: replace an existing DIR")
+    options.add_export_paged(parser)
+    parser.add_argument("--overwrite", action="store_true", help="--save, --export-paged: replace an existing DIR")
     parser.add_argument(
         "--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)"
     )

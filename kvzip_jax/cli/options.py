@@ -1,5 +1,6 @@
 """Options several commands take, each defined once: the model, the questions, the compression method, the reread
-chunk, the task instruction, KV quantization (--kv-bits), and the runtime (--dtype, --attention-impl)."""
+chunk, the task instruction, KV quantization (--kv-bits), a serving engine's pages (--export-paged), and the runtime
+(--dtype, --attention-impl)."""
 
 from __future__ import annotations
 
@@ -155,3 +156,42 @@ def add_runtime(parser, saved_dtype_help: str | None = None) -> None:
         parser.add_argument("--dtype", choices=dtypes.CHOICES, help=saved_dtype_help)
         impl_help = "decode attention (auto: Pallas on CUDA GPUs, else XLA)"
     parser.add_argument("--attention-impl", choices=IMPLS, default="auto", help=impl_help)
+
+
+PAGED_LAYOUTS = ("tpu", "gpu")  # serving.LAYOUTS
+DEFAULT_PAGE_SIZE = 16
+
+
+def add_export_paged(parser) -> None:
+    """--export-paged DIR, --page-size N, --paged-layout tpu|gpu."""
+    parser.add_argument(
+        "--export-paged",
+        metavar="DIR",
+        help="write the compressed cache to DIR in a serving engine's pages (the pages, page table, kept lengths, "
+        "logical next positions and a manifest; docs/serving.md). The engine keeps one length per sequence: "
+        "compress with --level pair-uniform",
+    )
+    parser.add_argument(
+        "--page-size", type=int, metavar="N", help=f"--export-paged: slots per page (default {DEFAULT_PAGE_SIZE})"
+    )
+    parser.add_argument(
+        "--paged-layout",
+        choices=PAGED_LAYOUTS,
+        help="--export-paged: tpu (tpu-inference, vLLM on TPU; default) or gpu (vLLM's FlashAttention blocks)",
+    )
+
+
+def check_export_paged(args) -> None:
+    """Usage errors of --export-paged's flags; fills in their defaults."""
+    if args.export_paged is None:
+        if args.page_size is not None or args.paged_layout is not None:
+            args.subparser.error("--page-size and --paged-layout go with --export-paged")
+        return
+    if args.kv_bits not in (None, 16) or getattr(args, "decode_budget", None) is not None:
+        args.subparser.error(
+            "--export-paged writes the kept pairs in the model's dtype: no --kv-bits, no --decode-budget"
+        )
+    args.page_size = DEFAULT_PAGE_SIZE if args.page_size is None else args.page_size
+    args.paged_layout = args.paged_layout or "tpu"
+    if args.page_size < 1:
+        args.subparser.error(f"--page-size must be >= 1, got {args.page_size}")

@@ -2,13 +2,16 @@
 
     logits, cache, aux = forward(params, tokens, positions, cache, cfg, observer)
 
+A block's attention may be done elsewhere (Block.attend: a serving engine's kernel over its own pages, serving/);
+the projections, RoPE, norms and MLP stay these.
+
 Einsum legend: B batch, T query positions, S key slots, D model width, N query heads, K KV heads,
 G query heads per KV head, H head dim, V vocab.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -32,17 +35,25 @@ def _declare(module: nn.Module, shapes: dict):
 
 
 class Block(nn.Module):
-    """One pre-norm decoder layer: attention over the cache, then the gated MLP."""
+    """One pre-norm decoder layer: attention over the cache, then the gated MLP.
+
+    attend: None, or attention done elsewhere over a layer state of the caller's (a serving engine's pages):
+    attend(q [B, T, N, H], k [B, T, K, H], v [B, T, K, H], layer_state, window, scale) -> (out [B, T, N, H], the
+    layer state with the new keys and values), q and k after RoPE (query head n reads KV head n // G); the block
+    passes layer_state through in place of a cache."""
 
     cfg: ModelConfig
     index: int
     observer: Observer | None = None
+    attend: Callable | None = None
 
     @nn.compact
     def __call__(self, x, positions, layer_cache: kv.LayerCache, num_new):
         cfg, i = self.cfg, self.index
         p = _declare(self, param_shapes(cfg)[layer_name(i)])
         h = layers.rms_norm(x, p("attn_norm"), cfg.rms_norm_eps)  # [B, T, D]
+        if self.attend is not None and (cfg.mla is not None or self.observer is not None):
+            raise ValueError("attention done elsewhere (attend) takes grouped-query heads and no observer")
         if cfg.mla is not None:
             attn, layer_cache, observed = self._latent(p, h, positions, layer_cache, num_new)
         else:
@@ -77,6 +88,9 @@ class Block(nn.Module):
         q = constrain(layers.apply_rope(q, positions, rope), DATA, None, TENSOR, None)  # heads on tensor
         k = constrain(layers.apply_rope(k, positions, rope), DATA, None, TENSOR, None)
         v = constrain(v, DATA, None, TENSOR, None)
+        if self.attend is not None:
+            out, layer_cache = self.attend(q, k, v, layer_cache, cfg.window_for(i), cfg.query_scale)  # [B, T, N, H]
+            return layers.linear(out.reshape(B, T, N * H), p("o")), layer_cache, None
 
         filled = layer_cache.lengths  # [B, K] slots in use before this step
         k_new, v_new = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
@@ -270,9 +284,14 @@ class Transformer(nn.Module):
             x = jnp.take_along_axis(x, (num_new - 1)[:, None, None], axis=1)  # [B, 1, D]
         elif self.logits == "at":
             x = jnp.take_along_axis(x, at[:, :, None], axis=1)  # [B, P, D]
-        x = layers.rms_norm(x, p("final_norm"), cfg.rms_norm_eps)
-        head = embed.T if cfg.tie_embeddings else p("lm_head")  # [D, V]
-        return layers.linear(x, head), new_cache, aux  # [B, ., V] float32 logits
+        return lm_head(x, cfg, p("final_norm"), embed, None if cfg.tie_embeddings else p("lm_head")), new_cache, aux
+
+
+def lm_head(x, cfg: ModelConfig, final_norm, embed, head=None):
+    """float32 logits [B, T, V] of the residual stream x [B, T, D]: the final norm [D], then the LM head [D, V]
+    (the embedding [V, D] transposed when tied; head None then)."""
+    x = layers.rms_norm(x, final_norm, cfg.rms_norm_eps)
+    return layers.linear(x, embed.T if cfg.tie_embeddings else head)
 
 
 def embed_tokens(embed, tokens, cfg: ModelConfig):
@@ -283,11 +302,14 @@ def embed_tokens(embed, tokens, cfg: ModelConfig):
     return x
 
 
-def apply_block(params, cfg: ModelConfig, index: int, x, positions, layer_cache: kv.LayerCache, num_new, observer=None):
+def apply_block(
+    params, cfg: ModelConfig, index: int, x, positions, layer_cache: kv.LayerCache, num_new, observer=None, attend=None
+):
     """Decoder layer `index` alone on the residual stream x [B, T, D] -> (x, layer_cache, observer output): for
     passes that go layer by layer (Attention Matching's on-policy compaction changes layer l before layer l + 1
-    runs). forward is these blocks between embed_tokens and the LM head."""
-    block = Block(cfg, index, observer)
+    runs; a serving engine's decode step, with attention over its pages: attend, as in Block). forward is these
+    blocks between embed_tokens and lm_head."""
+    block = Block(cfg, index, observer, attend)
     return block.apply({"params": params[layer_name(index)]}, x, positions, layer_cache, num_new)
 
 

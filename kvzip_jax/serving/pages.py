@@ -1,5 +1,6 @@
 """A compressed KV cache in a serving engine's paged layout: tpu-inference's page buffer (vLLM on TPU) or vLLM's
-FlashAttention blocks (GPU), with the page table, the kept lengths and the logical next positions.
+FlashAttention blocks (GPU), with the page table, the kept lengths and the logical next positions; read_pages and
+write_pages read a layer's slots and write new tokens into them through the page table.
 
 A paged engine keeps one length and one row of page indices per sequence, shared by every layer and KV head, so a
 cache exports only when every (layer, KV head) of a row keeps the same number of pairs (KVzip's `pair-uniform`
@@ -152,6 +153,22 @@ def read_pages(export: PagedExport, layer: int) -> tuple[jax.Array, jax.Array]:
         return rows[..., :H], rows[..., H : 2 * H]
     kv = rows[:, :, : 2 * K, :H].reshape(B, S, K, 2, H)
     return kv[:, :, :, 0], kv[:, :, :, 1]
+
+
+def write_pages(export: PagedExport, layer: int, k_new: jax.Array, v_new: jax.Array) -> jax.Array:
+    """Layer `layer`'s page buffer with T new tokens' keys and values k_new, v_new [B, T, K, H] written at slots
+    kv_lens + t of each sequence (through its page table; the slots must exist: export with room), as the engine
+    writes them (tpu: merge_kv's rows)."""
+    pages, table = export.pages[layer], export.page_indices  # table [B, pps]
+    B, T, K, H = k_new.shape
+    slots = export.kv_lens[:, None] + jnp.arange(T, dtype=jnp.int32)  # [B, T]
+    page = jnp.take_along_axis(table, slots // export.page_size, axis=1)  # [B, T]
+    at = slots % export.page_size
+    if export.layout == "gpu":
+        return pages.at[:, page, at].set(jnp.stack([k_new, v_new]).astype(pages.dtype))  # [2, B, T, K, H]
+    k, v = (x.reshape(B * T, K, H).astype(pages.dtype) for x in (k_new, v_new))
+    rows = merge_kv(k, v, export.hd64)  # [B T, rows, p, width]
+    return pages.at[page, at].set(rows.reshape((B, T) + rows.shape[1:]))
 
 
 def _plan(cache: KVCache, page_size: int, room: int) -> tuple[np.ndarray, int, int, int]:

@@ -17,7 +17,7 @@ import zipfile
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from kvzip_jax.errors import KvzipError
 from kvzip_jax.serving.pages import PagedExport
@@ -80,6 +80,21 @@ def ragged_paged_attention_ref(
     return ref(*args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
+@functools.partial(jax.jit, static_argnames=("schedule", "sm_scale", "sliding_window", "soft_cap", "hd64"))
+def scheduled_ref(
+    queries, keys, values, kv_cache, *, schedule, sm_scale, sliding_window=None, soft_cap=None, hd64=None
+) -> tuple[jax.Array, jax.Array]:
+    """ragged_paged_attention_ref with the batch's schedule (kv_lens, page_indices, cu_q_lens, distribution, as
+    tuples of ints) fixed: the reference reads them as Python values (its loop over sequences, its slices and its
+    input checks), so it traces with them as constants and compiles once per schedule; every layer of a step shares
+    one program."""
+    kv_lens, page_indices, cu_q_lens, distribution = (np.asarray(x, np.int32) for x in schedule)
+    args = (queries, keys, values, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    return ragged_paged_attention_ref(
+        *args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, hd64=hd64
+    )
+
+
 def attend_export(
     q: jax.Array,
     k_new: jax.Array,
@@ -93,21 +108,24 @@ def attend_export(
     """The wheel's reference over a tpu export's layer for one step of T new tokens per sequence: q [B, T, N, H],
     k_new, v_new [B, T, K, H] -> (out [B, T, N, H], the layer's pages with the new tokens written at slots
     kv_lens + t). The batch goes as the runner sends it: kv_lens + T per sequence, decode-only distribution
-    [B, B, B] for T = 1, else [0, 0, B] (mixed)."""
+    [B, B, B] for T = 1, else [0, 0, B] (mixed); through scheduled_ref (the export's tables must be concrete)."""
     if export.layout != "tpu":
         raise ValueError(f"attend_export takes a tpu export, got layout {export.layout!r}")
     B, T, N, H = q.shape
     K = k_new.shape[2]
     dtype = export.pages[layer].dtype
-    out, pages = ragged_paged_attention_ref(
+    schedule = (
+        tuple(int(n) + T for n in np.asarray(export.kv_lens)),
+        tuple(int(i) for i in np.asarray(export.flat_page_indices)),
+        tuple(range(0, (B + 1) * T, T)),
+        (B, B, B) if T == 1 else (0, 0, B),
+    )
+    out, pages = scheduled_ref(
         q.reshape(B * T, N, H),
         k_new.reshape(B * T, K, H).astype(dtype),
         v_new.reshape(B * T, K, H).astype(dtype),
         export.pages[layer],
-        (export.kv_lens + T).astype(jnp.int32),
-        export.flat_page_indices,
-        jnp.arange(B + 1, dtype=jnp.int32) * T,
-        jnp.array([B, B, B] if T == 1 else [0, 0, B], jnp.int32),
+        schedule=schedule,
         sm_scale=scale,
         sliding_window=window,
         soft_cap=soft_cap,
