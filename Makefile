@@ -20,12 +20,13 @@ demo: $(VENV)/.installed
 # the tests' programs with LLVM at -O0 (TEST_XLA_FLAGS): the same HLO, no fast-math either way, a quarter less time
 # on these small inputs. Compiled programs go to jax's persistent compilation cache (TEST_JAX_CACHE, at most 2 GB,
 # least recently used out): the workers and the tests' subprocesses compile many of the same programs (a bundled
-# model's prefill and decode).
+# model's prefill and decode). numpy's BLAS runs one thread per worker (OPENBLAS_NUM_THREADS=1): the oracles' many small
+# solves (np.linalg.lstsq: 9.1 s against 0.35 s for the OMP oracle's 140, two threads against one, on busy cores).
 TEST_WORKERS ?= 2
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 TEST_JAX_CACHE ?= $(CURDIR)/checkpoints/_jax_cache
 
-TEST_RUN = XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" JAX_COMPILATION_CACHE_DIR="$(TEST_JAX_CACHE)" \
+TEST_RUN = OPENBLAS_NUM_THREADS=1 XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" JAX_COMPILATION_CACHE_DIR="$(TEST_JAX_CACHE)" \
 	JAX_COMPILATION_CACHE_MAX_SIZE=2000000000 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 --peak-rss-limit-gb 6
 
 test: $(VENV)/.installed-test

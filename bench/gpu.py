@@ -467,6 +467,9 @@ def main(argv=None) -> int:
                 label = kv_bits.label(bits)
                 caches[f"ragged-{label}"] = kv.quantized(ragged, keys, value_fmt=values)
             for impl in ("xla", "pallas"):
+                if impl == "pallas" and base.mla is not None:  # its decode would compile the [xla] rows again
+                    print("[pallas] decode: no Pallas kernel for MLA's latent attention; the [xla] rows stand for it")
+                    continue
                 decode_figures(
                     params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps, peak_bw
                 )

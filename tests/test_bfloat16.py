@@ -40,21 +40,23 @@ def _context(tok, limit: int) -> np.ndarray:
     return prompt, prompt.ids()[: prompt.context_end]
 
 
-def _next_tokens(params, cfg, tokens, chunk: int = 416) -> np.ndarray:
-    """Teacher-forced argmax next token at every position, chunk by chunk over one cache (the logits of one chunk,
-    [chunk, V] float32, never those of the whole text at once; the last chunk right-padded to the same shape)."""
+def _next_tokens(params, cfg, tokens, chunk: int = 612) -> tuple[np.ndarray, gen.kv.KVCache]:
+    """(teacher-forced argmax next token at every position, the cache as it held the first chunk's tokens), chunk by
+    chunk over one cache (the logits of one chunk, [chunk, V] float32, never those of the whole text at once; the
+    last chunk right-padded to the same shape)."""
     cache = gen.on_params_device(
         gen.kv.init_cache(cfg, 1, gen.capacity_for(len(tokens) + chunk, cfg), dtypes.of_params(params)), params
     )
-    predicted = []
+    predicted, first = [], None
     for start in range(0, len(tokens), chunk):
         piece = tokens[start : start + chunk]
         block = np.zeros((1, chunk), np.int32)  # [1, T]
         block[0, : piece.size] = piece
         argmax, cache = _argmax_step(params, jnp.asarray(block), jnp.asarray([piece.size], jnp.int32), cache, cfg)
         predicted.append(np.asarray(argmax[0, : piece.size]))
+        first = cache if first is None else first  # not donated: it stays valid as the loop appends
     assert cache.layers[0].k.dtype == dtypes.of_params(params)
-    return np.concatenate(predicted)
+    return np.concatenate(predicted), first
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -66,11 +68,22 @@ def _argmax_step(params, block, num_new, cache, cfg):
     return jnp.argmax(logits, axis=-1), cache
 
 
+@pytest.fixture(scope="module")
+def forced(model_pair):
+    """(prompt, tokens, {dtype: (teacher-forced next tokens, the cache of the first chunk)}): one forward per dtype
+    serves both tests (the cache that teacher forcing leaves after its first 612 tokens is a prefilled context of
+    [prefix | about 590 context tokens] for KVzip to score)."""
+    _, tok, cfg, p32, p16 = model_pair
+    prompt, tokens = _context(tok, POSITIONS)
+    return prompt, tokens, {"float32": _next_tokens(p32, cfg, tokens), "bfloat16": _next_tokens(p16, cfg, tokens)}
+
+
 @pytest.mark.real_model  # model_pair loads its GGUF through getfixturevalue, out of conftest's sight
-def test_bfloat16_predicts_the_float32_next_token(model_pair):
-    name, tok, cfg, p32, p16 = model_pair
-    _, tokens = _context(tok, POSITIONS)
-    a, b = _next_tokens(p32, cfg, tokens), _next_tokens(p16, cfg, tokens)
+def test_bfloat16_predicts_the_float32_next_token(model_pair, forced):
+    name = model_pair[0]
+    _, tokens, runs = forced
+    (a, _), (b, _) = runs["float32"], runs["bfloat16"]
+    assert len(a) == len(tokens)
     agreement = float(np.mean(a == b))
     print(f"{name}: bfloat16 top-1 agrees with float32 at {agreement:.2%} of {len(a)} positions")
     assert len(a) >= 1000
@@ -78,13 +91,16 @@ def test_bfloat16_predicts_the_float32_next_token(model_pair):
 
 
 @pytest.mark.real_model  # model_pair loads its GGUF through getfixturevalue, out of conftest's sight
-def test_bfloat16_keeps_the_float32_kvzip_pairs(model_pair):
+def test_bfloat16_keeps_the_float32_kvzip_pairs(model_pair, forced):
     name, tok, cfg, p32, p16 = model_pair
-    prompt, tokens = _context(tok, 1000)
-    prefix_len, context_len = prompt.context_start, prompt.context_end - prompt.context_start
+    prompt, tokens, runs = forced
+    prefix_len = prompt.context_start
+    tokens = tokens[: int(runs["float32"][1].next_position[0])]  # [prefix | context] the first chunk's cache holds
+    context_len = len(tokens) - prefix_len
+    assert context_len >= 500
     keeps = []
-    for params in (p32, p16):
-        _, cache = gen.prefill(params, cfg, [tokens])
+    for params, (_, cache) in ((p32, runs["float32"]), (p16, runs["bfloat16"])):
+        assert cache.layers[0].k.dtype == dtypes.of_params(params) and int(cache.next_position[0]) == len(tokens)
         reread = kvzip.reread_inputs(tok, [prefix_len], [tokens[prefix_len:]])
         scores = jax.jit(kvzip.score)(params, cfg, cache, reread)
         assert scores.dtype == jnp.float32

@@ -36,8 +36,8 @@ def caches(restored):
     _, cache = gen.prefill(restored.params, restored.cfg, [context.ids()])
     reread = kvzip.reread_inputs(restored.tokenizer, [context.context_start], [context.ids()[context.context_slice]])
     masked, _ = jax.jit(kvzip.score_and_evict)(restored.params, restored.cfg, cache, reread, 0.5)
-    compacted, _ = jax.jit(matching.compact)(
-        restored.params, restored.cfg, cache, reread, matching.MatchingConfig(ratio=0.5)
+    compacted, _ = jax.jit(matching.compact)(  # uniform budgets: one fit size to compile (global's ladder, several)
+        restored.params, restored.cfg, cache, reread, matching.MatchingConfig(ratio=0.5, budget="uniform")
     )
     int4, int8 = QuantFormat(bits=4, group=32), QuantFormat(bits=8, group=64, scale_dtype="float16")
     return {
@@ -147,10 +147,10 @@ def test_a_save_killed_midway_leaves_nothing_that_loads(tmp_path, smollm2_checkp
     target = tmp_path / "killed"
     script = textwrap.dedent(f"""
         import os, signal
-        from kvzip_jax import cache_io, generate as gen
+        from kvzip_jax import cache as kv, cache_io
         from kvzip_jax.weights import registry
         model = registry.load({str(smollm2_checkpoint)!r})
-        _, cache = gen.prefill(model.params, model.cfg, [[1, 2, 3, 4, 5, 6, 7, 8]])
+        cache = kv.init_cache(model.cfg, 1, 16)  # any cache: no forward to compile
         cache_io._write_manifest = lambda path, manifest: os.kill(os.getpid(), signal.SIGKILL)
         cache_io.save({str(target)!r}, cache, model)
     """)

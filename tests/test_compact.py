@@ -229,14 +229,17 @@ def test_each_head_is_its_own_fit_whatever_its_fit_size(setup, monkeypatch):
     fitted_at = {int(sizes[sizes >= c].min()) for c in np.asarray(counts).ravel() if c > 0}
     assert len(fitted_at) > 2  # the heads ran at several fit sizes
     lower, upper, iters = config.nnls_bounds()
+    # each head alone, under one jit per shape (eager ran the fit op by op, compiling each op at each count)
+    scores_of = jax.jit(matching.attention_key_scores, static_argnames=("scale",))
+    fit_of = jax.jit(matching.fit_head, static_argnames=("scale", "lower", "upper", "iters"))
     for l, b, k in np.ndindex(*shape):
         start, length, count = int(reread.prefix_len[b]), int(reread.context_len[b]), int(counts[l, b, k])
         q, rows = queries.q[l][b, k], queries.valid[b]
         keys, values = (x[b, k, start : start + length] for x in (cache.layers[l].k, cache.layers[l].v))
-        scores = matching.attention_key_scores(q, keys, cfg.query_scale, query_valid=rows)
+        scores = scores_of(q, keys, scale=cfg.query_scale, query_valid=rows)
         selected = jnp.sort(jax.lax.top_k(scores, count)[1])
-        _, beta, c_v = matching.fit_head(
-            q, keys, values, selected, cfg.query_scale, query_valid=rows, lower=lower, upper=upper, iters=iters
+        _, beta, c_v = fit_of(
+            q, keys, values, selected, scale=cfg.query_scale, query_valid=rows, lower=lower, upper=upper, iters=iters
         )
         slots = start + np.asarray(selected)
         layer = out.layers[l]
