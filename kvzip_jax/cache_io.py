@@ -98,17 +98,23 @@ def _write_manifest(path: Path, manifest: dict) -> None:
     path.write_text(json.dumps(manifest, indent=1) + "\n")
 
 
-def read_manifest(directory: str | Path) -> dict:
-    """The manifest of a saved cache, its format and layout version checked (nothing else read)."""
+def read_json(directory: str | Path, what: str) -> tuple[Path, object]:
+    """(path, parsed JSON) of <directory>/manifest.json; CacheCorruptError when it is missing (`what` names the saved
+    form) or unreadable."""
     path = Path(directory) / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
+        return path, json.loads(path.read_text())
     except FileNotFoundError:
         raise CacheCorruptError(
-            f"{directory} is not a saved cache (no {MANIFEST}: never saved, or the save did not finish)"
+            f"{directory} is not a {what} (no {MANIFEST}: never saved, or the save did not finish)"
         ) from None
     except (OSError, json.JSONDecodeError) as e:
         raise CacheCorruptError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+
+
+def read_manifest(directory: str | Path) -> dict:
+    """The manifest of a saved cache, its format and layout version checked (nothing else read)."""
+    path, manifest = read_json(directory, "saved cache")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CacheFormatError(f"{path} is not a {FORMAT} manifest")
     version = manifest.get("layout_version")

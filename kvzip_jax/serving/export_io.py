@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvzip_jax import dtypes
-from kvzip_jax.cache_io import CacheCorruptError, CacheFormatError, CacheMismatchError, check_model
+from kvzip_jax.cache_io import CacheCorruptError, CacheFormatError, CacheMismatchError, check_model, read_json
 from kvzip_jax.serving.pages import LAYOUTS, PagedExport
 from kvzip_jax.weights.checkpoint import atomic_dir
 from kvzip_jax.weights.identity import model_identity, package_version, tokenizer_hash
@@ -80,15 +80,7 @@ def save(directory: str | Path, export: PagedExport, model, meta: dict | None = 
 
 def read_manifest(directory: str | Path) -> dict:
     """The manifest of a saved export, its format and version checked (nothing else read)."""
-    path = Path(directory) / MANIFEST
-    try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CacheCorruptError(
-            f"{directory} is not a saved paged export (no {MANIFEST}: never saved, or the save did not finish)"
-        ) from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CacheCorruptError(f"{path} is unreadable ({type(e).__name__}: {e})") from None
+    path, manifest = read_json(directory, "saved paged export")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise CacheFormatError(f"{path} is not a {FORMAT} manifest (format {found!r}; a saved cache loads with ask)")
