@@ -25,6 +25,7 @@ import jax
 import pytest
 
 import kvzip_jax.weights.gguf
+from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.eval.host_memory import release_freed
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.checkpoint import is_checkpoint
@@ -271,6 +272,26 @@ def _map_limit() -> int:
             return int(limit.read())
     except (OSError, ValueError):
         return 65530
+
+
+def tiny_config(num_kv_heads: int = 2, qkv_bias: bool = False, **changes) -> ModelConfig:
+    """The tests' tiny random decoder: llama (qwen2 with qkv biases), 2 layers, 6 query heads of 8 dims, vocabulary 101;
+    `changes` replace any other field."""
+    fields = dict(
+        architecture="qwen2" if qkv_bias else "llama",
+        vocab_size=101,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=6,
+        num_kv_heads=num_kv_heads,
+        head_dim=8,
+        intermediate_size=64,
+        rms_norm_eps=1e-6,
+        max_position=1024,
+        rope=RopeSpec(theta=1000.0),
+        qkv_bias=qkv_bias,
+    )
+    return ModelConfig(**(fields | changes))
 
 
 def simulated_devices_flags(devices: int) -> str:

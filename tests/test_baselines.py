@@ -15,28 +15,11 @@ from kvzip_jax.baselines.observe import observe_span
 from kvzip_jax.baselines.pyramidkv import pyramid_budgets
 from kvzip_jax.baselines.snapkv import snapkv_scores, window_sizes
 from kvzip_jax.baselines.streaming import streaming_scores
-from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.kvzip.budget import RatioError
 from kvzip_jax.kvzip.eviction import keep_mask
 from kvzip_jax.models.params import init_params
+from tests.conftest import tiny_config
 from tests.test_kvzip_score import numpy_queries_and_keys
-
-
-def tiny_config(num_kv_heads: int, qkv_bias: bool = False, max_position: int = 1024) -> ModelConfig:
-    return ModelConfig(
-        architecture="qwen2" if qkv_bias else "llama",
-        vocab_size=101,
-        hidden_size=48,
-        num_layers=2,
-        num_heads=6,
-        num_kv_heads=num_kv_heads,
-        head_dim=8,
-        intermediate_size=64,
-        rms_norm_eps=1e-6,
-        max_position=max_position,
-        rope=RopeSpec(theta=1000.0),
-        qkv_bias=qkv_bias,
-    )
 
 
 def oracle_probs(params, cfg, sequence):

@@ -12,8 +12,7 @@ import pytest
 from kvzip_jax import cli, prompts
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
-from tests.conftest import _checkpoints_dir
-from tests.test_kvzip_score import tiny_config
+from tests.conftest import _checkpoints_dir, tiny_config
 
 CONTEXT = (
     "The survey team left Longyearbyen on the fourth of May. The helicopter that evacuated the injured "

@@ -13,9 +13,8 @@ from kvzip_jax.models.params import init_params
 from kvzip_jax.serving import decode as paged
 from kvzip_jax.serving import export_io
 from kvzip_jax.weights import registry
-from tests.conftest import bundled_tokenizer
+from tests.conftest import bundled_tokenizer, tiny_config
 from tests.test_cli import CONTEXT, QUESTION, _fails_with_one_line, context_file  # noqa: F401 (fixture)
-from tests.test_kvzip_score import tiny_config
 
 NEW = 8
 

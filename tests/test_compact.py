@@ -14,8 +14,7 @@ from kvzip_jax import kvzip, matching, methods
 from kvzip_jax.kvzip import scoring
 from kvzip_jax.kvzip.budget import kept_count
 from kvzip_jax.models.params import init_params
-
-from .test_kvzip_score import tiny_config
+from tests.conftest import tiny_config
 
 
 def _reread(prefix_lens, contexts, chunk, rng, prompt=5):

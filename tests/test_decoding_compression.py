@@ -12,7 +12,7 @@ from kvzip_jax import generate as gen
 from kvzip_jax.models.params import init_params
 from kvzip_jax.scorers import decoding
 from kvzip_jax.scorers.scorer import Scorer
-from tests.test_kvzip_score import tiny_config
+from tests.conftest import tiny_config
 
 
 @pytest.fixture(scope="module")

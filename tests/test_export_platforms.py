@@ -41,11 +41,12 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, serving
-from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip import scoring as kvscore
 from kvzip_jax.models.params import init_params
 from kvzip_jax.serving import tpu_inference_kernel as engine
 from pallas_kernels import QuantizedRows, decode_attention, ragged_decode, score_max
+from tests.test_serving import serving_config
 
 ACCELERATORS = ("cuda", "tpu")
 TRITON = "__gpu$xla.gpu.triton"  # the custom call of a Pallas kernel lowered through Triton
@@ -55,20 +56,8 @@ TPU_V5E = AbstractMesh(
     (1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
 )
 PREFIX, CONTEXTS, RATIO, CAPACITY, REREAD, PAGE = 4, (20, 27), 0.3, 64, 32, 8
-CFG = ModelConfig(
-    architecture="llama",
-    vocab_size=101,
-    hidden_size=32,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=32,
-    rms_norm_eps=1e-6,
-    max_position=256,
-    rope=RopeSpec(1000.0),
-    attention_impl="xla",  # explicit: "auto" takes the Triton kernels on a GPU host, which do not lower for TPU
-)
+# attention_impl explicit: "auto" takes the Triton kernels on a GPU host, which do not lower for TPU
+CFG = serving_config(16, attention_impl="xla")
 PALLAS = dataclasses.replace(CFG, attention_impl="pallas")
 B = len(CONTEXTS)
 

@@ -17,8 +17,8 @@ from kvzip_jax.errors import KvzipError, ModelFileError
 from kvzip_jax.kvzip import head_level
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
-from tests.conftest import bundled_tokenizer
-from tests.test_kvzip_score import _inputs, oracle_scores, tiny_config
+from tests.conftest import bundled_tokenizer, tiny_config
+from tests.test_kvzip_score import _inputs, oracle_scores
 
 PREFIX, CONTEXT = 4, 36
 RNG = np.random.default_rng(0)

@@ -14,21 +14,10 @@ from kvzip_jax import generate as gen
 from kvzip_jax.config import FULL, SLIDING, ModelConfig, RopeSpec
 from kvzip_jax.kvzip import RereadInputs, keep_mask, score
 from kvzip_jax.models.params import init_params
+from tests.conftest import tiny_config
 
 PREFIX, CONTEXT = 4, 44
-CFG = ModelConfig(
-    architecture="llama",
-    vocab_size=101,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=6,
-    num_kv_heads=2,
-    head_dim=16,
-    intermediate_size=64,
-    rms_norm_eps=1e-6,
-    max_position=1024,
-    rope=RopeSpec(1000.0),
-)
+CFG = tiny_config(2, hidden_size=64, head_dim=16)
 PARAMS = init_params(CFG, seed=1, scale=0.15)
 RNG = np.random.default_rng(0)
 SEQUENCE = RNG.integers(0, CFG.vocab_size, PREFIX + CONTEXT).astype(np.int32)

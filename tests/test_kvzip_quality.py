@@ -13,9 +13,10 @@ from kvzip_jax.kvzip import scoring as kvscore
 from kvzip_jax.models.params import init_params
 from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights import registry
+from tests.conftest import tiny_config
 
 from .conftest import bench_module, drop_compiled_and_freed
-from .test_kvzip_score import oracle_scores, tiny_config
+from .test_kvzip_score import oracle_scores
 
 CONTEXT = "minutes"
 

@@ -6,26 +6,9 @@ import numpy as np
 import pytest
 
 from kvzip_jax import generate as gen
-from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.kvzip import scoring as kvscore
 from kvzip_jax.models.params import init_params
-
-
-def tiny_config(num_kv_heads: int, qkv_bias: bool = False) -> ModelConfig:
-    return ModelConfig(
-        architecture="qwen2" if qkv_bias else "llama",
-        vocab_size=101,
-        hidden_size=48,
-        num_layers=2,
-        num_heads=6,
-        num_kv_heads=num_kv_heads,
-        head_dim=8,
-        intermediate_size=64,
-        rms_norm_eps=1e-6,
-        max_position=1024,
-        rope=RopeSpec(theta=1000.0),
-        qkv_bias=qkv_bias,
-    )
+from tests.conftest import tiny_config
 
 
 def numpy_queries_and_keys(params, cfg, tokens):

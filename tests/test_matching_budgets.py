@@ -8,8 +8,7 @@ import pytest
 from kvzip_jax import matching, methods
 from kvzip_jax.kvzip.budget import kept_count
 from kvzip_jax.matching.budgets import MIN_FIT_SIZE, fit_sizes, head_caps, head_counts, static_count
-
-from .test_kvzip_score import tiny_config
+from tests.conftest import tiny_config
 
 
 def oracle_counts(ratio, head_cap, lens, scores):

@@ -16,10 +16,9 @@ from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
-from tests.conftest import bundled_tokenizer
+from tests.conftest import bundled_tokenizer, tiny_config
 from tests.test_compact import _reread
 from tests.test_eval_sweep import tiny_model
-from tests.test_kvzip_score import tiny_config
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -14,8 +14,7 @@ from nbclient import NotebookClient
 from kvzip_jax.models.params import init_params
 from kvzip_jax.weights import registry
 from kvzip_jax.weights.checkpoint import save_checkpoint
-from tests.conftest import bundled_tokenizer
-from tests.test_kvzip_score import tiny_config
+from tests.conftest import bundled_tokenizer, tiny_config
 
 COLAB = Path(__file__).resolve().parents[1] / "colab"
 SMALL = {  # notebook -> parameter overrides for a CI run on 2 CPU cores

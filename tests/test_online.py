@@ -16,8 +16,7 @@ from kvzip_jax.matching import online
 from kvzip_jax.matching.queries import QueryObserver
 from kvzip_jax.models.params import init_params
 from kvzip_jax.models.transformer import forward
-
-from .test_kvzip_score import tiny_config
+from tests.conftest import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -15,30 +15,21 @@ import pytest
 from kvzip_jax import cache as kv
 from kvzip_jax import generate as gen
 from kvzip_jax import kvzip, serving
-from kvzip_jax.config import ModelConfig, RopeSpec
+from kvzip_jax.config import ModelConfig
 from kvzip_jax.errors import KvzipError
 from kvzip_jax.models import attention, ragged_attention
 from kvzip_jax.models.params import init_params
 from kvzip_jax.serving import tpu_inference_kernel as engine
+from tests.conftest import tiny_config
 
 PREFIX, CONTEXTS, RATIO, PAGE = 4, (37, 50), 0.3, 8
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _config(head_dim: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="llama",
-        vocab_size=101,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=head_dim,
-        intermediate_size=32,
-        rms_norm_eps=1e-6,
-        max_position=256,
-        rope=RopeSpec(theta=1000.0),
-    )
+def serving_config(head_dim: int, **changes) -> ModelConfig:
+    """The serving tests' tiny model: 4 query heads over 2 key-value heads of `head_dim` (the engine's 64 or 128)."""
+    small = dict(hidden_size=32, num_heads=4, intermediate_size=32, max_position=256)
+    return tiny_config(2, head_dim=head_dim, **small, **changes)
 
 
 def _wheel(hd64: bool = False):
@@ -49,7 +40,7 @@ def _wheel(hd64: bool = False):
 @pytest.fixture(scope="module", params=[64, 128], ids=["hd64", "hd128"])
 def compressed(request):
     """(cfg, full cache, pair-uniform masked cache, its ragged pack, random scores, context lengths)."""
-    cfg = _config(request.param)
+    cfg = serving_config(request.param)
     params = init_params(cfg, seed=1, scale=0.15)
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 101, PREFIX + n).astype(np.int32) for n in CONTEXTS]

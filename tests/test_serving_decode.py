@@ -25,7 +25,7 @@ from kvzip_jax.serving import decode as paged
 from kvzip_jax.serving import export_io
 from kvzip_jax.weights import registry
 from tests.conftest import drop_compiled_and_freed
-from tests.test_serving import CONTEXTS, PAGE, PREFIX, RATIO, TOL, _config
+from tests.test_serving import CONTEXTS, PAGE, PREFIX, RATIO, TOL, serving_config
 
 QUESTION, NEW = 5, 32
 EXPORTS = {"tpu": serving.export_tpu, "gpu": serving.export_gpu}
@@ -45,7 +45,7 @@ class _Vocab:
 def tiny(request):
     """(model, masked pair-uniform cache at RATIO, question [B, QUESTION], kept pairs [B], ragged decode: tokens, the
     ragged cache after them, the question's logits)."""
-    cfg = _config(request.param)
+    cfg = serving_config(request.param)
     model = registry.LoadedModel("tiny", cfg, init_params(cfg, seed=1, scale=0.15), _Vocab(cfg.vocab_size))
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, cfg.vocab_size, PREFIX + n).astype(np.int32) for n in CONTEXTS]

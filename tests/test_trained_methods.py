@@ -16,7 +16,7 @@ from kvzip_jax.models.params import init_params
 from kvzip_jax.models.transformer import forward
 from kvzip_jax.scorers import features, gate
 from kvzip_jax.scorers.scorer import Scorer
-from tests.test_kvzip_score import tiny_config
+from tests.conftest import tiny_config
 
 PREFIX = 4
 
