@@ -10,8 +10,10 @@
   materialising the [rows x keys] matrix.
 
 `impl="auto" | "xla" | "pallas"` picks the implementation (`resolve_impl`): the XLA path is the oracle itself. On CPU
-the kernels run in Pallas interpret mode (the tests); on a CUDA GPU they lower through Triton. This package never
-imports kvzip_jax.
+the kernels run in Pallas interpret mode (the tests); on a CUDA GPU they lower through Triton; on a TPU all three
+take their TPU variants (ragged_decode_tpu, score_max_tpu; QuantizedRows included), lowered through Mosaic. The TPU
+variants are tested in Pallas TPU interpret mode and lowered for "tpu" on CPU, never run on a TPU; "auto" stays "xla"
+there. This package never imports kvzip_jax.
 """
 
 from .decode_attention import decode_attention, decode_attention_reference

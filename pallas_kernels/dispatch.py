@@ -11,7 +11,15 @@ Backends:
   `impl="pallas"` tries anyway.
 - CPU: `pallas_call` only runs in interpret mode (a jitted scan over the grid), which is what the tests use.
   `impl="auto"` takes the XLA path there.
-- TPU: no TPU kernels yet (they need scalar prefetch and their own block layout): `impl="auto"` takes the XLA path.
+- TPU: ragged_decode (and so decode_attention) and score_max have TPU variants (ragged_decode_tpu.py,
+  score_max_tpu.py) lowered through **Mosaic**, chosen by passing `pltpu.CompilerParams(dimension_semantics=...)`:
+  scalar-prefetched offsets and lengths, Mosaic block shapes (last two block dims multiples of 8 and 128, or the
+  array's); float and QuantizedRows stores. They are tested in Pallas TPU interpret mode and lowered for "tpu" on CPU
+  (jax.export), never run on a TPU: `impl="auto"` takes the XLA path there (unmeasured).
+
+The lowering is chosen at trace time from `target_platform()` (the default backend's; tests replace it to export for
+another platform) by `lowering()`. One export holds one platform's kernels: with jax 0.10 `lax.platform_dependent`
+lowers each kept branch's pallas_call for every platform of the module, which the Triton and Mosaic lowerings refuse.
 
 Triton constraints the kernels respect: every loaded or stored block has a power-of-two size, dot operands are at
 least 16 x 16 (query rows are padded to a power of two >= 16), and float32 dots default to TF32, so every kernel dot
@@ -25,6 +33,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
 IMPLS = ("auto", "xla", "pallas")
@@ -59,8 +68,8 @@ def _cuda_capability() -> tuple[int, ...] | None:
 def resolve_impl(impl: str) -> str:
     """Map an `impl` choice to "xla" or "pallas".
 
-    "auto" is "pallas" on a CUDA GPU of compute capability >= 8.0 and "xla" everywhere else (CPU, TPU: no TPU kernels
-    yet; older or non-CUDA GPUs: unverified). "xla" and "pallas" are returned as given.
+    "auto" is "pallas" on a CUDA GPU of compute capability >= 8.0 and "xla" everywhere else (CPU; TPU: its kernels
+    are unmeasured on a TPU; older or non-CUDA GPUs: unverified). "xla" and "pallas" are returned as given.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -72,13 +81,29 @@ def resolve_impl(impl: str) -> str:
     return "pallas" if capability is not None and capability >= MIN_TRITON_CAPABILITY else "xla"
 
 
+def target_platform() -> str:
+    """The lowering platform the kernels are traced for: the default backend's ("cuda" for a GPU, "tpu", "cpu").
+
+    Tests replace it to trace for a platform this host lacks (then export for that platform).
+    """
+    backend = jax.default_backend()
+    return "cuda" if backend == "gpu" else backend
+
+
+def lowering(platform: str | None = None) -> str:
+    """How a kernel is built for a lowering platform (default `target_platform()`): "triton" (CUDA), "mosaic" (TPU)
+    or "interpret" (any other: CPU)."""
+    return {"cuda": "triton", "tpu": "mosaic"}.get(target_platform() if platform is None else platform, "interpret")
+
+
 def interpret_mode() -> bool:
-    """Whether pallas_call must run interpreted: True unless the default backend is a GPU."""
-    return jax.default_backend() != "gpu"
+    """Whether the kernels run interpreted: True unless a GPU or a TPU is targeted."""
+    return lowering() == "interpret"
 
 
 def compiler_params(interpret: bool | None = None) -> pl_triton.CompilerParams | None:
-    """pallas_call compiler params: Triton's when compiled (selects the Triton lowering), None when interpreted.
+    """The Triton kernels' pallas_call compiler params: Triton's when compiled (selects the Triton lowering), None
+    when interpreted.
 
     `interpret` defaults to `interpret_mode()`; passing False asks for the Triton params on any host (the tests
     lower the kernels for CUDA on CPU that way).
@@ -86,6 +111,18 @@ def compiler_params(interpret: bool | None = None) -> pl_triton.CompilerParams |
     if interpret_mode() if interpret is None else interpret:
         return None
     return pl_triton.CompilerParams(num_warps=TRITON_NUM_WARPS, num_stages=TRITON_NUM_STAGES)
+
+
+def mosaic_compiler_params(*dimension_semantics: str) -> pltpu.CompilerParams:
+    """The TPU kernels' pallas_call compiler params: one "parallel" or "arbitrary" per grid axis."""
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+
+
+def mosaic_interpret_params():
+    """pallas_call's `interpret` for a TPU kernel run on another host: TPU interpret mode (simulated VMEM, SMEM and
+    DMAs) where this jax has it, else the generic interpreter."""
+    params = getattr(pltpu, "InterpretParams", None)
+    return True if params is None else params()
 
 
 def next_power_of_two(n: int) -> int:

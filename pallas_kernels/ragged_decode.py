@@ -17,6 +17,9 @@ Keys and values may be group-quantized (int8, or int4 two per byte: quantized_ro
 dequantized inside the kernel, group by group, so the store is read at its quantized size; keys and values may
 differ in bits and groups (int8 keys beside int4 values).
 
+On a TPU (dispatch.lowering() "mosaic") ragged_decode_tpu.py's kernel runs instead, quantized stores included: grid
+(B, K, key blocks), no split-K.
+
 Empty softmax (zero-length segment, or every key hidden by the causal bound or the bias): out = 0 and
 lse = MASK_VALUE (finite, so merging it with another segment's (out, lse) gives that segment's result exactly).
 """
@@ -39,9 +42,11 @@ from .dispatch import (
     compiler_params,
     interpret_mode,
     kernel_dot,
+    lowering,
     next_power_of_two,
     resolve_impl,
 )
+from .ragged_decode_tpu import ragged_decode_mosaic
 
 # Programs the default split count aims for: one per SM of an H200 (132); more programs than that only queue.
 TARGET_PROGRAMS = 132
@@ -112,7 +117,7 @@ def ragged_decode(
       num_tokens: T, new tokens per step (static); queries are causal over the last T keys of each segment.
       impl: "auto" | "xla" | "pallas" (see dispatch.resolve_impl); "pallas" needs H a power of two >= 16.
       block_k: keys per kernel block, a power of two >= 16.
-      num_splits: key splits per head (static), default `default_num_splits(B, K)`.
+      num_splits: key splits per head (static), default `default_num_splits(B, K)`; the TPU kernel has none.
 
     Returns:
       out [B, K, M, H] float32 (softmax-weighted values, 0 for an empty softmax) and lse [B, K, M] float32, the
@@ -135,20 +140,13 @@ def ragged_decode(
         parts = (qrows.parts(head_dim, *layout(k)), qrows.parts(head_dim, *layout(v)))
         q = q[..., qrows.column_order(head_dim, *layout(k))]
         out_order = qrows.column_order(head_dim, *layout(v))
-    out, lse = _ragged_decode_pallas(
-        q,
-        tuple(k) if parts else (k,),
-        tuple(v) if parts else (v,),
-        offsets.astype(jnp.int32),
-        lengths.astype(jnp.int32),
-        bias,
-        scale=float(scale),
-        num_tokens=num_tokens,
-        block_k=block_k,
-        num_splits=num_splits,
-        interpret=interpret_mode(),
-        parts=parts,
-    )
+    int32 = lambda x: x.astype(jnp.int32)
+    args = (q, tuple(k) if parts else (k,), tuple(v) if parts else (v,), int32(offsets), int32(lengths), bias)
+    common = dict(scale=float(scale), num_tokens=num_tokens, block_k=block_k, parts=parts)
+    if lowering() == "mosaic":
+        out, lse = ragged_decode_mosaic(*args, **common, interpret=False)
+    else:
+        out, lse = _ragged_decode_pallas(*args, **common, num_splits=num_splits, interpret=interpret_mode())
     return (out, lse) if out_order is None else (out[..., np.argsort(out_order)], lse)
 
 

@@ -11,7 +11,8 @@ row.
 
 The kernel never materialises [R, S]: grid (B, K, Sp / block_keys); each program loads its key block once and loops
 over row blocks of block_rows, keeping a running max [block_keys] (the dK/dV half of a flash backward, with a max
-in place of the matmuls).
+in place of the matmuls). On a TPU (dispatch.lowering() "mosaic") score_max_tpu.py's kernel runs instead, its row
+blocks a grid axis.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from .dispatch import (
     compiler_params,
     interpret_mode,
     kernel_dot,
+    lowering,
     next_power_of_two,
     resolve_impl,
 )
+from .score_max_tpu import block_sizes, score_max_mosaic
 
 
 def _check_inputs(q, k, row_bias) -> None:
@@ -73,7 +76,7 @@ def score_max(
       exp: return exp(max) (a probability) if True, else the max logit itself.
       impl: "auto" | "xla" | "pallas" (see dispatch.resolve_impl); "pallas" needs H a power of two >= 16.
       block_keys, block_rows: keys per program and rows per loop step, powers of two >= 16 (shrunk to fit small
-        S and R).
+        S and R; on a TPU keys rounded up to 128 lanes, see score_max_tpu.block_sizes).
 
     Returns:
       [B, K, S] float32 scores; a key no real row sees scores exp(MASK_VALUE) = 0 (MASK_VALUE with exp=False).
@@ -84,6 +87,10 @@ def score_max(
     check_power_of_two("head dim H", q.shape[3])
     check_power_of_two("block_keys", block_keys)
     check_power_of_two("block_rows", block_rows)
+    if lowering() == "mosaic":
+        q, row_bias = _mask_padding_rows(q, row_bias)
+        rows, keys = block_sizes(q.shape[2], k.shape[2], block_rows, block_keys)
+        return score_max_mosaic(q, k, row_bias, exp=exp, block_keys=keys, block_rows=rows, interpret=False)
     block_keys = min(block_keys, max(16, next_power_of_two(k.shape[2])))
     block_rows = min(block_rows, max(16, next_power_of_two(q.shape[2])))
     return _score_max_pallas(

@@ -14,11 +14,14 @@ What lowers, for which platforms (each test asserts its platforms, output shapes
   `kvzip.without_host_callbacks()` (strict xfail on the step traced outside it).
 - Our Pallas kernels (ragged_decode, decode_attention, score_max, float and int8 / int4 QuantizedRows) lower through
   Triton for "cuda" (custom call `__gpu$xla.gpu.triton`, which jax.export accepts only when told: Triton IR has no
-  compatibility guarantee), alone and inside the decode steps and the compress step. They choose interpret mode at
-  trace time from the default backend (`interpret_mode()`), so the tests set that choice to a GPU host's. For "tpu"
-  they do not lower (strict xfail): they pass Triton's compiler params, which jax refuses for a Mosaic lowering, and
-  they are not TPU kernels (without those params Mosaic rejects their block shapes: scalar [B, K] blocks, 1-D bias
-  rows).
+  compatibility guarantee), alone and inside the decode steps and the compress step. They choose their lowering at
+  trace time from the target platform (`dispatch.target_platform()`, the default backend's), so the tests set it to
+  the platform they export for. For "tpu" the same kernels (QuantizedRows included) take their TPU
+  variants and lower to Mosaic (`tpu_custom_call`) under an abstract TPU v5e, alone and inside the decode steps and
+  the compress step. The Triton and the Mosaic kernel of one call do not export in one ("cuda", "tpu")
+  module through `lax.platform_dependent` with this jax (strict xfail): each kept branch's pallas_call is still lowered
+  for every platform of the module, and the Triton one refuses "tpu" (`ValueError: Compiler params for platform gpu
+  cannot be used for tpu lowering.`), so each platform is exported on its own.
 - tpu-inference's Pallas `ragged_paged_attention` (the wheel's kernel.py, loaded by file as the reference is) over our
   exported tpu pages lowers for "tpu" to Mosaic (`tpu_custom_call`) at head dim 128 in float32 and bfloat16, and its
   hd64 variant at head dim 64 in float32, under an abstract TPU v5e device (jax's Mosaic lowering asks the current
@@ -29,7 +32,6 @@ What lowers, for which platforms (each test asserts its platforms, output shapes
 
 import dataclasses
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +47,7 @@ from kvzip_jax.config import ModelConfig
 from kvzip_jax.kvzip import scoring as kvscore
 from kvzip_jax.models.params import init_params
 from kvzip_jax.serving import tpu_inference_kernel as engine
-from pallas_kernels import QuantizedRows, decode_attention, ragged_decode, score_max
+from pallas_kernels import QuantizedRows, decode_attention, dispatch, ragged_decode, score_max
 from tests.test_serving import serving_config
 
 ACCELERATORS = ("cuda", "tpu")
@@ -133,8 +135,13 @@ def _reread() -> kvscore.RereadInputs:
 @pytest.fixture
 def gpu_trace(monkeypatch):
     """The kernels' trace-time choice made as on a GPU host: compiled kernels (Triton), not interpret mode."""
-    for name in ("pallas_kernels.ragged_decode", "pallas_kernels.score_max"):
-        monkeypatch.setattr(sys.modules[name], "interpret_mode", lambda: False)
+    monkeypatch.setattr(dispatch, "target_platform", lambda: "cuda")
+
+
+@pytest.fixture
+def tpu_trace(monkeypatch):
+    """The kernels' trace-time choice made as on a TPU host: their TPU variants, lowered to Mosaic."""
+    monkeypatch.setattr(dispatch, "target_platform", lambda: "tpu")
 
 
 @pytest.fixture
@@ -194,6 +201,16 @@ def test_compress_step_with_the_score_kernel_exports_for_cuda(gpu_trace, no_host
     assert set(_custom_calls(exported)) == {TRITON}
 
 
+def test_compress_step_with_the_score_kernel_exports_for_tpu(tpu_trace, no_host_callbacks):
+    """The compress step with attention_impl="pallas" traced for a TPU: score_max lowers to Mosaic (the only custom
+    call)."""
+    args = (_params(), _caches()[0], _reread(), jnp.float32(RATIO))
+    with use_abstract_mesh(TPU_V5E):
+        exported = _export(_compress(PALLAS), *args, platforms=("tpu",))
+    _check(exported, _compress(PALLAS), *args, platforms=("tpu",))
+    assert set(_custom_calls(exported)) == {MOSAIC}
+
+
 # ------------------------------------------------------------------------------------------------ decode steps
 
 
@@ -220,6 +237,18 @@ def test_decode_step_with_the_kernels_exports_for_cuda(gpu_trace, form):
     exported = _export(_step(PALLAS), *args, platforms=("cuda",), disabled_checks=ALLOW_TRITON)
     _check(exported, _step(PALLAS), *args, platforms=("cuda",))
     assert set(_custom_calls(exported)) == {TRITON}
+
+
+@pytest.mark.parametrize("form", ["dense", "masked", "ragged"])
+def test_decode_step_with_the_kernels_exports_for_tpu(tpu_trace, form):
+    """The same step with attention_impl="pallas" traced for a TPU: the layers' attention lowers to Mosaic (the only
+    custom call)."""
+    cache = dict(zip(("dense", "masked", "ragged"), _caches()[:3]))[form]
+    args = _step_args(cache)
+    with use_abstract_mesh(TPU_V5E):
+        exported = _export(_step(PALLAS), *args, platforms=("tpu",))
+    _check(exported, _step(PALLAS), *args, platforms=("tpu",))
+    assert set(_custom_calls(exported)) == {MOSAIC}
 
 
 def test_decode_loop_over_the_ragged_cache_exports_for_cuda_and_tpu():
@@ -310,17 +339,41 @@ def test_kernel_exports_for_cuda_through_triton(gpu_trace, name):
 
 
 @pytest.mark.parametrize("name", KERNELS)
+def test_kernel_exports_for_tpu(tpu_trace, name):
+    """The TPU variants lower to one Mosaic custom call under an abstract TPU v5e."""
+    call, args = _kernel_calls(name)
+    with use_abstract_mesh(TPU_V5E):
+        exported = _export(call, *args, platforms=("tpu",))
+    _check(exported, call, *args, platforms=("tpu",))
+    assert _custom_calls(exported) == [MOSAIC]
+
+
+def _traced_for(monkeypatch, platform: str, call):
+    """call, traced with the kernels' choice made for `platform` (a branch of lax.platform_dependent)."""
+
+    def branch(*args):
+        with monkeypatch.context() as patch:
+            patch.setattr(dispatch, "target_platform", lambda: platform)
+            return call(*args)
+
+    return branch
+
+
+@pytest.mark.parametrize("name", ["ragged_decode", "decode_attention", "score_max"])
 @pytest.mark.xfail(
     strict=True,
-    raises=(ValueError, AssertionError),
-    reason="our kernels are Triton kernels, not TPU ones: they pass triton.CompilerParams, which jax refuses for a "
-    "Mosaic lowering (ValueError 'Compiler params for platform gpu cannot be used for tpu lowering' once jax's Triton "
-    "lowering is loaded, else Mosaic's assert isinstance(compiler_params, tpu_core.CompilerParams)); without them "
-    "Mosaic rejects their block shapes (the last two block dims must divide by 8 and 128)",
+    raises=ValueError,
+    reason="lax.platform_dependent keeps each platform's branch, but mlir lowers a kept branch for every platform of "
+    "the module, so the Triton pallas_call is lowered for tpu too (and the Mosaic one for cuda) and refuses: "
+    "'ValueError: Compiler params for platform gpu cannot be used for tpu lowering.' (jax 0.10.2); each platform "
+    "exports on its own",
 )
-def test_kernel_exports_for_tpu(gpu_trace, name):
+def test_kernel_exports_for_cuda_and_tpu_in_one_module(monkeypatch, name):
     call, args = _kernel_calls(name)
-    _export(call, *args, platforms=("tpu",))
+    branches = {platform: _traced_for(monkeypatch, platform, call) for platform in ACCELERATORS}
+    both = lambda *args: jax.lax.platform_dependent(*args, **branches)
+    with use_abstract_mesh(TPU_V5E):
+        _export(both, *args, disabled_checks=ALLOW_TRITON)
 
 
 # ------------------------------------------------------------------------------------------------ tpu-inference
