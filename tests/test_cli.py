@@ -249,6 +249,25 @@ def test_a_method_refuses_options_it_does_not_have(capsys, monkeypatch, context_
     assert "--level is an option of kvzip; --method kvzip-am has none" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flags, fragment",
+    [
+        (["--decode-budget", "64"], "--decode-budget scores with a trained scorer (fast-kvzip, kvzap), not kvzip"),
+        (["--method", "kvzap", "--decode-budget", "64", "--kv-bits", "8"], "no --save, no --kv-bits"),
+        (["--method", "kvzap", "--decode-budget", "64", "--save", "x.kv"], "no --save, no --kv-bits"),
+        (["--method", "kvzap", "--decode-budget", "0"], "--decode-budget must be >= 1, got 0"),
+    ],
+)
+def test_decode_budget_flags_that_do_not_go_together_exit_2_before_loading(
+    capsys, monkeypatch, context_file, flags, fragment
+):
+    monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
+    argv = ["compress", "--model", registry.SMOLLM2, "--context", str(context_file), "--ratio", "0.3", *flags]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == cli.EXIT_USER_ERROR and fragment in capsys.readouterr().err
+
+
 def test_self_study_needs_a_method_that_reads_reference_queries(capsys, monkeypatch, context_file):
     monkeypatch.setattr(registry, "load", lambda name, dtype="auto": pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit):

@@ -37,14 +37,20 @@ def _check_choices(args: argparse.Namespace) -> None:
         args.subparser.error("give --ratio, or --threshold for a method with one (fast-kvzip, kvzap)")
     if args.threshold is not None and "threshold" not in defaults:
         args.subparser.error(f"--threshold is an option of fast-kvzip and kvzap; --method {args.method} has none")
-    if args.decode_budget is not None:
-        if "scorer" not in method.reads:
-            args.subparser.error(f"--decode-budget scores with a trained scorer (fast-kvzip, kvzap), not {args.method}")
-        if args.save or args.kv_bits not in (None, 16):
-            args.subparser.error("--decode-budget answers now from a dense cache: no --save, no --kv-bits")
-        if args.decode_budget < 1:
-            args.subparser.error(f"--decode-budget must be >= 1, got {args.decode_budget}")
+    _check_decode_budget(args, method)
     options.check_export_paged(args)
+
+
+def _check_decode_budget(args, method) -> None:
+    """Usage errors of --decode-budget."""
+    if args.decode_budget is None:
+        return
+    if "scorer" not in method.reads:
+        args.subparser.error(f"--decode-budget scores with a trained scorer (fast-kvzip, kvzap), not {args.method}")
+    if args.save or args.kv_bits not in (None, 16):
+        args.subparser.error("--decode-budget answers now from a dense cache: no --save, no --kv-bits")
+    if args.decode_budget < 1:
+        args.subparser.error(f"--decode-budget must be >= 1, got {args.decode_budget}")
 
 
 def run(args: argparse.Namespace) -> int:
