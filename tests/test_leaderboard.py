@@ -213,3 +213,43 @@ def test_ruler_pairs(tmp_path, capsys):
     assert bench.press_map("knorm=kvzip, none=full")["knorm"] == "kvzip"
     with pytest.raises(ValueError, match="press=method"):
         bench.press_map("knorm")
+
+
+def test_method_pairs_pairs_two_methods_across_files(tmp_path, capsys):
+    """bench/method_pairs.py: B - A per ratio and task on the samples both answered, from two files (a full cache
+    recorded in both is no duplicate: neither method's); a method's record twice is an error."""
+    bench = bench_module("method_pairs")
+    uniform = "kvzip:level=pair-uniform"
+    first = write_jsonl(
+        tmp_path / "all.jsonl",
+        [
+            rec("ruler_vt", "e0", 0, "full", 1.0, 1.0),
+            rec("ruler_vt", "e0", 0, "kvzip", 0.3, 1.0),
+            rec("ruler_vt", "e1", 0, "kvzip", 0.3, 1.0),
+            rec("ruler_cwe", "e0", 0, "kvzip", 0.3, 0.5),
+            rec("ruler_cwe", "e1", 0, "kvzip", 0.3, 1.0),  # no pair-uniform record: left out
+            rec("ruler_vt", "e0", 0, "kvzip", 0.1, 0.0),
+        ],
+    )
+    second = write_jsonl(
+        tmp_path / "subset.jsonl",
+        [
+            rec("ruler_vt", "e0", 0, "full", 1.0, 1.0),
+            rec("ruler_vt", "e0", 0, uniform, 0.3, 0.0),
+            rec("ruler_vt", "e1", 0, uniform, 0.3, 1.0),
+            rec("ruler_cwe", "e0", 0, uniform, 0.3, 0.0),
+            rec("ruler_vt", "e0", 0, uniform, 0.1, 1.0),
+        ],
+    )
+    out = tmp_path / "levels.md"
+    assert bench.main([str(first), str(second), "--a", "kvzip", "--b", uniform, "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert out.read_text().strip().splitlines() == lines and len(lines) == 2 + 3 + 2
+    assert lines[2] == "| 0.3 | cwe | 1 | 50.0 | 0.0 | -50.0 [-50.0, -50.0] |"
+    assert lines[3] == "| 0.3 | vt | 2 | 100.0 | 50.0 | -50.0 [-100.0, +0.0] |"
+    assert lines[4] == "| 0.3 | average | 3 | 75.0 | 25.0 | -50.0 [-75.0, -25.0] |"
+    assert lines[6] == "| 0.1 | average | 1 | 0.0 | 100.0 | +100.0 [+100.0, +100.0] |"
+    assert bench.main([str(first), "--a", "kvzip", "--b", uniform]) == 1  # nothing paired
+    assert "no sample answered by both" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="twice"):
+        bench.main([str(first), str(first), "--a", "kvzip", "--b", uniform])
