@@ -230,6 +230,7 @@ def test_qwen_decodes_32_tokens_through_the_engines_kernel_as_kvzip_jax_does(qwe
     config = kvzip.KVzipConfig(level="pair-uniform")
     masked, _ = jax.jit(kvzip.score_and_evict)(params, cfg, cache, reread, 0.3, config)
     del cache
+    drop_compiled_and_freed()  # the scoring programs are not needed again: the decode's peak need not sit on them
     question = np.asarray(suffixes[0], np.int32)[None]  # [1, T]
     room = question.shape[1] + NEW
     logits, ragged = gen.prefill(params, cfg, list(question), kv.pack(masked, room=room))
