@@ -238,9 +238,10 @@ def compressed(cfg: ModelConfig, cache: kv.KVCache, tokens: int, seed: int = 1):
     return masked, kv.pack(masked, room=64)
 
 
-def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
-    """Seconds of one decode step's attention over every layer's cache (no projections, no MLP). MLA: the absorbed
-    form (queries as wide as [latent | RoPE key]) through the XLA paths under either impl (no MLA kernel yet)."""
+def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str, repeats: int = 3) -> float:
+    """Seconds of one decode step's attention over every layer's cache (no projections, no MLP), best of `repeats`.
+    MLA: the absorbed form (queries as wide as [latent | RoPE key]) through the XLA paths under either impl (no MLA
+    kernel yet)."""
     B, K, G, H = cache.batch_size, cfg.num_kv_heads, cfg.group_size, cfg.head_dim
     latent = cfg.mla is not None
     if latent:
@@ -302,7 +303,7 @@ def attention_alone(cfg: ModelConfig, cache: kv.KVCache, impl: str) -> float:
             total = total + out.astype(jnp.float32).sum()
         return total
 
-    return timed(lambda: run(q, cache))
+    return timed(lambda: run(q, cache), repeats)
 
 
 def decode_step(params, cfg: ModelConfig, cache: kv.KVCache, steps: int) -> float:
@@ -379,12 +380,12 @@ def prefill_and_score(params, cfg: ModelConfig, batch: int, tokens: int, chunk: 
     )
 
 
-def decode_figures(params, cfg: ModelConfig, caches: dict, steps: int, peak_bw) -> None:
-    """Prints decode attention and step times of the caches {form: cache} (full, masked, ragged, and the ragged one
-    with int8 / int4 kept pairs), with the step's bandwidth."""
+def decode_figures(params, cfg: ModelConfig, caches: dict, steps: int, peak_bw, repeats: int = 3) -> None:
+    """Prints decode attention (best of `repeats`) and step times of the caches {form: cache} (full, masked, ragged,
+    and the ragged one with int8 / int4 kept pairs), with the step's bandwidth."""
     impl, started, attention_s = cfg.attention_impl, time.perf_counter(), {}
     for form, cache in caches.items():
-        attention_s[form] = attention_alone(cfg, cache, impl)
+        attention_s[form] = attention_alone(cfg, cache, impl, repeats)
         step_s = decode_step(params, cfg, cache, steps)
         bw = step_bytes(params, cache) / step_s
         share = "" if not peak_bw else f" = {bw / peak_bw:.0%} of peak"
@@ -433,6 +434,9 @@ def main(argv=None) -> int:
         help="wall seconds: later rows are skipped past it, "
         "prefill and scoring past half of it (decode figures come first)",
     )
+    parser.add_argument(
+        "--repeats", type=int, help="timed calls per attention figure, best kept (default 3; 1 with --smoke)"
+    )
     args = parser.parse_args(argv)
     dtype = jnp.float32 if args.smoke else jnp.bfloat16
     cases = SMOKE_CASES if args.smoke else CASES
@@ -442,6 +446,7 @@ def main(argv=None) -> int:
     contexts = tuple(int(t) for t in args.model_contexts.split(","))
     cases += [model_case(name, args.model_batch, contexts, dtype) for name in (args.models or "").split(",") if name]
     chunk = 64 if args.smoke else args.chunk_size
+    repeats = args.repeats or (1 if args.smoke else 3)  # the smoke run checks the script, not the times
     kind, peak_bw, peak_flops = device_peaks()
     print(
         f"device {kind} ({jax.default_backend()}), jax {jax.__version__}; params and caches {jnp.dtype(dtype).name}; "
@@ -471,7 +476,7 @@ def main(argv=None) -> int:
                     print("[pallas] decode: no Pallas kernel for MLA's latent attention; the [xla] rows stand for it")
                     continue
                 decode_figures(
-                    params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps, peak_bw
+                    params, dataclasses.replace(base, attention_impl=impl), caches, args.decode_steps, peak_bw, repeats
                 )
             del full, masked, ragged, caches
             for impl in ("xla", "pallas"):
