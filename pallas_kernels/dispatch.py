@@ -125,6 +125,11 @@ def mosaic_interpret_params():
     return True if params is None else params()
 
 
+def round_up(n: int, multiple: int) -> int:
+    """Smallest multiple of `multiple` >= n."""
+    return -(-n // multiple) * multiple
+
+
 def next_power_of_two(n: int) -> int:
     """Smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()

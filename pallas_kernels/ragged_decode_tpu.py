@@ -29,13 +29,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import online_softmax
 from . import quantized_rows as qrows
-from .dispatch import MASK_VALUE, kernel_dot, mosaic_compiler_params, mosaic_interpret_params
+from .dispatch import MASK_VALUE, kernel_dot, mosaic_compiler_params, mosaic_interpret_params, round_up
 
 SUBLANES = 8  # rows of a float32 vreg tile: the alignment of DMA starts and of the row padding
-
-
-def _round_up(n, multiple):
-    return -(-n // multiple) * multiple
 
 
 def _segment(off_ref, len_ref, b, h, kv_heads):
@@ -131,8 +127,8 @@ def ragged_decode_mosaic(q, k, v, offsets, lengths, bias, *, scale, num_tokens, 
     lowering to Mosaic."""
     batch, kv_heads, rows, head_dim = q.shape
     slots = k[0].shape[1]
-    padded_rows = _round_up(rows, SUBLANES)
-    padded_slots = max(block_k, _round_up(slots, SUBLANES))
+    padded_rows = round_up(rows, SUBLANES)
+    padded_slots = max(block_k, round_up(slots, SUBLANES))
     num_blocks = pl.cdiv(slots + SUBLANES - 1, block_k)  # a segment of up to S slots, its start aligned down
     q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, K, Mp, H]
     grow = lambda x: jnp.pad(x, ((0, 0), (0, padded_slots - slots)) + ((0, 0),) * (x.ndim - 2))

@@ -18,22 +18,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .dispatch import MASK_VALUE, kernel_dot, mosaic_compiler_params, mosaic_interpret_params
+from .dispatch import MASK_VALUE, kernel_dot, mosaic_compiler_params, mosaic_interpret_params, round_up
 
 LANES = 128  # a vreg row: the output block's width unless one block holds every key
 SUBLANES = 8  # a float32 vreg tile's rows: the alignment of key and row blocks
 
 
-def _round_up(n, multiple):
-    return -(-n // multiple) * multiple
-
-
 def block_sizes(rows: int, keys: int, block_rows: int, block_keys: int) -> tuple[int, int]:
     """(block_rows, block_keys) the TPU kernel uses: rows a multiple of 8, at most all (padded) rows; keys all
     (padded) keys if they fit in block_keys rounded up to 128 lanes, else that many."""
-    block_rows = min(_round_up(block_rows, SUBLANES), _round_up(rows, SUBLANES))
-    block_keys = _round_up(block_keys, LANES)
-    return block_rows, min(block_keys, _round_up(keys, SUBLANES))
+    block_rows = min(round_up(block_rows, SUBLANES), round_up(rows, SUBLANES))
+    block_keys = round_up(block_keys, LANES)
+    return block_rows, min(block_keys, round_up(keys, SUBLANES))
 
 
 def _kernel(q_ref, k_ref, bias_ref, o_ref, *, exp):
@@ -64,8 +60,8 @@ def score_max_mosaic(q, k, row_bias, *, exp, block_keys, block_rows, interpret):
     in Pallas TPU interpret mode (on any host) instead of lowering to Mosaic."""
     batch, kv_heads, rows, head_dim = q.shape
     keys = k.shape[2]
-    padded_rows = _round_up(rows, block_rows)
-    padded_keys = _round_up(keys, block_keys)
+    padded_rows = round_up(rows, block_rows)
+    padded_keys = round_up(keys, block_keys)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))  # [B, K, Rp, H]
     row_bias = jnp.pad(row_bias, ((0, 0), (0, 0), (0, padded_rows - rows)), constant_values=MASK_VALUE)
     k = jnp.pad(k, ((0, 0), (0, 0), (0, padded_keys - keys), (0, 0)))  # [B, K, Sp, H]
