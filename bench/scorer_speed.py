@@ -6,9 +6,12 @@ prefill + reread scoring, on the same contexts.
 
 The scorers' weights are random of the trained shapes (the time does not depend on their values). Contexts: the
 bundled demo document cut to exactly N tokens (bench/kvzip.py's context_text), batch 1, the model's dtype on this
-backend. Compilation is excluded (every pass runs once before); times are best of --repeats, taken round the
-passes in turn. Prints, per length, each pass's seconds and its multiple of the plain prefill (the target: a
-scorer's at most 1.05x).
+backend. Compilation is excluded (every pass runs once before); the repeats go round the passes, each round
+starting one pass later. Prints, per length, each pass's best and median seconds and their multiples of the plain
+prefill's (the target: a scorer's at most 1.05x), and, for the prefill with and without each scorer, the
+floating-point operations XLA counts in one 512-token chunk step over that context's cache (compiled cost
+analysis: no timing noise; XLA counts a loop's body once, so the plain step's blocked attention is undercounted while
+the scorers, outside any loop, are counted whole: the multiples are upper bounds).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import jax
 import numpy as np
 from kvzip import context_text  # bench/kvzip.py
 
+from kvzip_jax import cache as kv
+from kvzip_jax import dtypes, kvzip, prompts
 from kvzip_jax import generate as gen
-from kvzip_jax import kvzip, prompts
 from kvzip_jax.scorers import gate
-from kvzip_jax.scorers.features import prefill_scores
+from kvzip_jax.scorers.features import ScorerObserver, prefill_scores
 from kvzip_jax.scorers.scorer import Scorer
 from kvzip_jax.weights import registry
 
@@ -40,18 +44,35 @@ def random_scorers(cfg) -> dict[str, Scorer]:
     }
 
 
-def best_times(passes: dict, repeats: int) -> dict[str, float]:
-    """{name: best wall seconds of `repeats` calls} of {name: fn}, each called once first (compiling); the repeats
-    go round the passes in turn, so a slow spell of the machine falls on every pass alike."""
+def chunk_flops(params, cfg, capacity: int, observer=None) -> float:
+    """XLA's counted floating-point operations of one prefill chunk step (gen.DEFAULT_CHUNK tokens, batch 1) over a
+    cache of `capacity` slots: generate.forward_step, or generate.observed_step with the observer."""
+    cache = kv.init_cache(cfg, 1, capacity, dtypes.of_params(params))
+    block = jax.numpy.zeros((1, gen.DEFAULT_CHUNK), jax.numpy.int32)  # [B, T]
+    num_new = jax.numpy.full((1,), gen.DEFAULT_CHUNK, jax.numpy.int32)  # [B]
+    if observer is None:
+        lowered = gen.forward_step.lower(params, block, num_new, cache, cfg)
+    else:
+        lowered = gen.observed_step.lower(params, block, num_new, cache, cfg, observer)
+    cost = lowered.compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # a list of one dict in older jax
+    return float(cost["flops"])
+
+
+def pass_times(passes: dict, repeats: int) -> dict[str, list[float]]:
+    """{name: wall seconds of each of `repeats` calls} of {name: fn}, each called once first (compiling). Each round
+    calls every pass once, starting one pass later than the round before, so neither a slow spell of the machine nor
+    the pass that runs just before (KVzip's reread frees gigabytes) falls on one pass alone."""
     for fn in passes.values():
         jax.block_until_ready(fn())
-    best = dict.fromkeys(passes, float("inf"))
-    for _ in range(repeats):
-        for name, fn in passes.items():
+    names = list(passes)
+    seconds = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             start = time.perf_counter()
-            jax.block_until_ready(fn())
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            jax.block_until_ready(passes[name]())
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
 
 
 def main(argv=None) -> int:
@@ -64,7 +85,7 @@ def main(argv=None) -> int:
     tok, params, cfg = model.tokenizer, model.params, model.cfg
     scorers = random_scorers(cfg)
     score = jax.jit(kvzip.score)
-    print(f"{model.name} on {jax.devices()[0].platform}, {model.dtype}, batch 1, best of {args.repeats}")
+    print(f"{model.name} on {jax.devices()[0].platform}, {model.dtype}, batch 1")
     for n in args.tokens:
         prompt, _ = prompts.split_for_reuse(tok, context_text(tok, n), [])
         ids = np.asarray(prompt.ids(), np.int32)
@@ -79,11 +100,23 @@ def main(argv=None) -> int:
         for kind, scorer in scorers.items():
             passes[f"prefill + {kind} scorer"] = lambda s=scorer: prefill_scores(params, cfg, [ids], s, reserve=0)
         passes["prefill + KVzip reread"] = kvzip_pass
-        times = best_times(passes, args.repeats)
-        plain = times["prefill"]
-        print(f"\n{len(ids)} tokens ({len(row)} context):")
-        for name, seconds in times.items():
-            print(f"  {name:<26} {seconds:7.2f} s  {seconds / plain:5.2f}x")
+        times = pass_times(passes, args.repeats)
+        best = {name: min(t) for name, t in times.items()}
+        median = {name: float(np.median(t)) for name, t in times.items()}
+        print(f"\n{len(ids)} tokens ({len(row)} context): best and median of {args.repeats}")
+        for name in times:
+            print(
+                f"  {name:<26} {best[name]:7.2f} s  {best[name] / best['prefill']:5.2f}x"
+                f"   median {median[name]:7.2f} s  {median[name] / median['prefill']:5.2f}x"
+            )
+        capacity = gen.capacity_for(len(ids), cfg)
+        flops = chunk_flops(params, cfg, capacity)
+        print(f"  XLA-counted FLOPs of one {gen.DEFAULT_CHUNK}-token chunk step over {capacity} slots (a loop's body")
+        print("  counted once, so the blocked attention is undercounted and each multiple is an upper bound):")
+        print(f"  {'prefill':<26} {flops:10.4g}")
+        for kind, scorer in scorers.items():
+            counted = chunk_flops(params, cfg, capacity, ScorerObserver(scorer))
+            print(f"  {'prefill + ' + kind + ' scorer':<26} {counted:10.4g}  at most {counted / flops:6.4f}x")
     return 0
 
 
