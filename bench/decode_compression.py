@@ -28,7 +28,7 @@ from kvzip_jax import prompts
 from kvzip_jax.scorers import decoding, scorer
 from kvzip_jax.weights import registry
 
-LINE = re.compile(r"^\s*(\d+)\.\s.*?invention\s+(\d{4})", re.M)
+LINE = re.compile(r"^\s*(\d+)\.\s.*?(\d{4,})\D*$", re.M)  # "N. ... NUMBER": the last number of 4+ digits
 TASK = (
     "Write a numbered list of {items} fictional inventors. For each, give the name, the city and a four-digit "
     "invention number, exactly in the form: 'N. NAME from CITY, invention NNNN.' Write nothing else."
@@ -36,7 +36,8 @@ TASK = (
 
 
 def written(text: str) -> dict[int, str]:
-    """{item number: its invention number} of the list a run wrote (the first line of each number)."""
+    """{item number: its invention number} of the list a run wrote: the last number of 4 or more digits on each
+    numbered line, the first line of each item number (the model does not always keep the asked form)."""
     found = {}
     for number, code in LINE.findall(text):
         found.setdefault(int(number), code)

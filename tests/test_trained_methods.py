@@ -184,6 +184,24 @@ def test_threshold_keeps_what_passes_in_each_head_and_the_window(setup):
     assert len(counts) > 1  # per-head budgets differ
 
 
+def test_the_default_window_is_2_percent_with_a_ratio_and_128_tokens_with_a_threshold():
+    """Both methods keep the recent 2% of each context under a ratio (Fast KVzip's prefill), DMSPress's 128 tokens
+    under a threshold, and an explicit window either way; never more than the context."""
+    from kvzip_jax.methods.trained import THRESHOLD_WINDOW, ScorerOptions, recent_window
+
+    context_len = jnp.array([0, 49, 50, 1000, 6400, 100], jnp.int32)
+    for name in ("fast-kvzip", "kvzap"):
+        options = methods.get(name).options_for()
+        assert isinstance(options, ScorerOptions) and options.window is None
+        np.testing.assert_array_equal(recent_window(context_len, options), [0, 0, 1, 20, 128, 2])
+        thresholded = methods.get(name).options_for(threshold=-4.0)
+        np.testing.assert_array_equal(recent_window(context_len, thresholded), [0, 49, 50, 128, 128, 100])
+        assert THRESHOLD_WINDOW == 128
+        for threshold in (None, -4.0):
+            fixed = methods.get(name).options_for(window=64, threshold=threshold)
+            np.testing.assert_array_equal(recent_window(context_len, fixed), [0, 49, 50, 64, 64, 64])
+
+
 def test_compress_threshold_flag_is_checked_before_loading(tmp_path, capsys):
     from kvzip_jax import cli
 

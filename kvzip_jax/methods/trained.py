@@ -18,14 +18,16 @@ from kvzip_jax.methods.registry import Inputs, Method, MethodError, register
 from kvzip_jax.scorers.features import context_scores
 from kvzip_jax.scorers.scorer import KINDS
 
+THRESHOLD_WINDOW = 128  # DMSPress's: the last context tokens a threshold never evicts
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class ScorerOptions:
     """kind: the scorer it reads (scorers.KINDS). level: KVzip's budget levels. window: the last context tokens
-    always kept (window_fraction of the context when window is None, as Fast KVzip's prefill keeps 2%).
-    threshold: None, or evict every pair scoring below it outside the window, whatever the ratio (each head keeps
-    what passes: the ratio reached is an outcome, DMSPress's rule)."""
+    always kept; None: window_fraction of the context with a ratio (Fast KVzip's prefill keeps 2%), THRESHOLD_WINDOW
+    tokens with a threshold. threshold: None, or evict every pair scoring below it outside the window, whatever the
+    ratio (each head keeps what passes: the ratio reached is an outcome, DMSPress's rule)."""
 
     kind: str = "gate"
     level: str = "pair"
@@ -46,8 +48,9 @@ class ScorerOptions:
 
 def recent_window(context_len: jax.Array, options: ScorerOptions) -> jax.Array:
     """[B] int32 context tokens at the end of each row that are always kept."""
-    if options.window is not None:
-        return jnp.minimum(jnp.int32(options.window), context_len)
+    if options.window is not None or options.threshold is not None:
+        window = THRESHOLD_WINDOW if options.window is None else options.window
+        return jnp.minimum(jnp.int32(window), context_len)
     return jnp.floor(options.window_fraction * context_len).astype(jnp.int32)
 
 
@@ -91,7 +94,7 @@ register(
         question_aware=False,
         paper="Fast KVzip, arXiv 2601.17668",
         description="a low-rank sink-attention gate per layer, trained on KVzip's scores, scores each pair from its "
-        "hidden state: no reread; the recent 2% of the context kept",
+        "hidden state: no reread; the recent 2% of the context kept (128 tokens with a threshold)",
         options=ScorerOptions(),
         prepare=_prepare,
         finish=_finish,
@@ -105,8 +108,8 @@ register(
         question_aware=False,
         paper="KVzap, arXiv 2601.07891",
         description="a linear regressor per layer, fitted in closed form to log KVzip+ scores, scores each pair from "
-        "its hidden state: no reread; the last 128 context tokens kept",
-        options=ScorerOptions(kind="linear", window=128),
+        "its hidden state: no reread; the recent 2% of the context kept (128 tokens with a threshold)",
+        options=ScorerOptions(kind="linear"),
         prepare=_prepare,
         finish=_finish,
         needs=("context_tokens", "scorer"),
