@@ -189,6 +189,7 @@ def test_the_default_window_is_2_percent_with_a_ratio_and_128_tokens_with_a_thre
     under a threshold, and an explicit window either way; never more than the context."""
     from kvzip_jax.methods.trained import THRESHOLD_WINDOW, ScorerOptions, recent_window
 
+    assert THRESHOLD_WINDOW == 128
     context_len = jnp.array([0, 49, 50, 1000, 6400, 100], jnp.int32)
     for name in ("fast-kvzip", "kvzap"):
         options = methods.get(name).options_for()
@@ -196,7 +197,6 @@ def test_the_default_window_is_2_percent_with_a_ratio_and_128_tokens_with_a_thre
         np.testing.assert_array_equal(recent_window(context_len, options), [0, 0, 1, 20, 128, 2])
         thresholded = methods.get(name).options_for(threshold=-4.0)
         np.testing.assert_array_equal(recent_window(context_len, thresholded), [0, 49, 50, 128, 128, 100])
-        assert THRESHOLD_WINDOW == 128
         for threshold in (None, -4.0):
             fixed = methods.get(name).options_for(window=64, threshold=threshold)
             np.testing.assert_array_equal(recent_window(context_len, fixed), [0, 49, 50, 64, 64, 64])

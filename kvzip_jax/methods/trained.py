@@ -94,7 +94,7 @@ register(
         question_aware=False,
         paper="Fast KVzip, arXiv 2601.17668",
         description="a low-rank sink-attention gate per layer, trained on KVzip's scores, scores each pair from its "
-        "hidden state: no reread; the recent 2% of the context kept (128 tokens with a threshold)",
+        f"hidden state: no reread; the recent 2% of the context kept ({THRESHOLD_WINDOW} tokens with a threshold)",
         options=ScorerOptions(),
         prepare=_prepare,
         finish=_finish,
@@ -108,7 +108,7 @@ register(
         question_aware=False,
         paper="KVzap, arXiv 2601.07891",
         description="a linear regressor per layer, fitted in closed form to log KVzip+ scores, scores each pair from "
-        "its hidden state: no reread; the recent 2% of the context kept (128 tokens with a threshold)",
+        f"its hidden state: no reread; the recent 2% of the context kept ({THRESHOLD_WINDOW} tokens with a threshold)",
         options=ScorerOptions(kind="linear"),
         prepare=_prepare,
         finish=_finish,
