@@ -1,7 +1,8 @@
 """Compression while decoding (kvzip_jax/scorers/decoding.py) on a tiny random model: every cut leaves at most the
 budget (the first tokens and the recent window kept, each head with room for the next block), the scores move with
 their pairs, a budget that holds everything decodes exactly as plain greedy decoding, a threshold keeps what
-passes, and bad settings are named."""
+passes, teacher-forced tokens replay a greedy generation cut for cut (and, uncut, predict as the full cache), and bad
+settings are named."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -94,3 +95,24 @@ def test_a_cut_moves_each_pairs_score_with_it(model):
                 assert moved[layer, 0, head, slot] == scores[layer, 0, head, source]
             kept_sources = [np.flatnonzero((old_keys == np.asarray(new.k[0, head, s])).all(-1))[0] for s in range(2)]
             assert kept_sources == [0, 1]  # the first tokens stay first
+
+
+def test_forced_tokens_replay_a_greedy_generation_cut_for_cut(model):
+    """Teacher forcing the tokens a greedy cut generation wrote cuts at the same places and predicts each next one."""
+    cfg, params, scorer, prompt = model
+    settings = dict(scorer=scorer, budget=24, interval=16, first=2, window=6)
+    tokens, cache, cuts = decoding.generate(params, cfg, prompt, 80, **settings)
+    predicted, replayed, replayed_cuts = decoding.generate(params, cfg, prompt, 80, forced=tokens, **settings)
+    assert replayed_cuts == cuts and len(cuts) >= 2
+    assert predicted[:-1] == tokens[1:]
+    np.testing.assert_array_equal(np.asarray(kv.kept_per_head(replayed)), np.asarray(kv.kept_per_head(cache)))
+
+
+def test_forced_tokens_without_a_cut_predict_as_the_full_cache(model):
+    cfg, params, scorer, prompt = model
+    text = np.random.default_rng(2).integers(0, cfg.vocab_size, 40).astype(np.int32)
+    predicted, _, cuts = decoding.generate(params, cfg, prompt, 99, scorer=scorer, budget=200, interval=16, forced=text)
+    logits, cache = gen.prefill(params, cfg, [prompt], capacity=128)
+    full, _ = gen.forward_step(params, jnp.asarray(text[None]), jnp.full((1,), 40), cache, cfg, logits="all")
+    assert cuts == [] and len(predicted) == 40
+    assert predicted == np.asarray(jnp.argmax(full[0], axis=-1)).tolist()

@@ -67,6 +67,7 @@ def generate(
     sampling: gen.Sampling | None = None,
     cache: kv.KVCache | None = None,
     scores: jax.Array | None = None,
+    forced: Sequence[int] | None = None,
 ):
     """Generates up to max_new_tokens after prompt [T], cutting the cache every `interval` tokens to `budget` pairs
     per (layer, KV head) on average (or to the pairs scoring at least `threshold`). capacity: slots per head (default
@@ -81,6 +82,9 @@ def generate(
     if (budget is None) == (threshold is None):
         raise ValueError("give a budget or a threshold")
     prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if forced is not None:
+        forced = np.asarray(forced, np.int32).reshape(-1)
+        max_new_tokens = min(max_new_tokens, forced.size)
     if min(interval, window + 1, first + 1, max_new_tokens) < 1 or (budget is not None and budget <= first + window):
         raise ValueError(
             f"need interval, max_new_tokens >= 1, first, window >= 0 and a budget above first + window "
@@ -113,21 +117,27 @@ def generate(
     out, cuts = [], []
     while len(out) < max_new_tokens:
         mark = kv.mark(cache)
-        key = jax.random.fold_in(sampling.key, len(cuts))
-        new, cache, logits = gen.decode(
-            params,
-            cfg,
-            logits,
-            cache,
-            min(interval, max_new_tokens - len(out)),
-            stop_tokens=stop_tokens,
-            sampling=dataclasses.replace(sampling, key=key),
-            return_logits=True,
-        )
-        block = new[0]
+        size = min(interval, max_new_tokens - len(out))
+        if forced is None:
+            key = jax.random.fold_in(sampling.key, len(cuts))
+            new, cache, logits = gen.decode(
+                params,
+                cfg,
+                logits,
+                cache,
+                size,
+                stop_tokens=stop_tokens,
+                sampling=dataclasses.replace(sampling, key=key),
+                return_logits=True,
+            )
+            block = new[0]
+            stopped = bool(block) and block[-1] in stop_tokens
+            fed = block[:-1] if stopped else block  # a stop token is not fed
+        else:
+            fed = forced[len(out) : len(out) + size].tolist()
+            block, cache = _predicted(params, cfg, cache, np.asarray(fed, np.int32))
+            stopped = False
         out += block
-        stopped = bool(block) and block[-1] in stop_tokens
-        fed = block[:-1] if stopped else block  # a stop token is not fed
         if stopped or len(out) >= max_new_tokens or not fed:
             return out, cache, cuts
         cache, block_scores = _rescored(params, cfg, kv.rewind(cache, mark), np.asarray(fed, np.int32), observer)
@@ -139,6 +149,14 @@ def generate(
         cache, scores = _cut(cache, scores, budget, threshold, first, window, room)
         cuts.append(Cut(len(out), held, int(kv.kept_per_head(cache).sum()), kv.used_bytes(cache)))
     return out, cache, cuts
+
+
+def _predicted(params, cfg, cache, tokens: np.ndarray):
+    """tokens [T] appended (no scorer): (the greedy prediction after each, list of T ints; cache)."""
+    logits, cache = gen.forward_step(
+        params, jnp.asarray(tokens[None]), jnp.full((1,), tokens.size), cache, cfg, logits="all"
+    )
+    return [int(t) for t in np.asarray(jnp.argmax(logits[0], axis=-1))], cache
 
 
 def _slot_scores(scores: jax.Array, capacity: int) -> jax.Array:
