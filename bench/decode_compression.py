@@ -96,11 +96,8 @@ def full_predictions(model, ids: np.ndarray, text: np.ndarray) -> np.ndarray:
     _, cache = gen.prefill(model.params, model.cfg, [ids], reserve=text.size + 64)
     predicted = []
     for start in range(0, text.size, decoding.INTERVAL):
-        block = text[start : start + decoding.INTERVAL]
-        logits, cache = gen.forward_step(
-            model.params, jnp.asarray(block[None]), jnp.full((1,), block.size), cache, model.cfg, logits="all"
-        )
-        predicted += np.asarray(jnp.argmax(logits[0], axis=-1)).tolist()
+        block, cache = decoding.predictions(model.params, model.cfg, cache, text[start : start + decoding.INTERVAL])
+        predicted += block
     return np.asarray(predicted)
 
 

@@ -134,11 +134,11 @@ def generate(
             stopped = bool(block) and block[-1] in stop_tokens
             fed = block[:-1] if stopped else block  # a stop token is not fed
         else:
-            fed = forced[len(out) : len(out) + size].tolist()
-            block, cache = _predicted(params, cfg, cache, np.asarray(fed, np.int32))
+            fed = forced[len(out) : len(out) + size]
+            block, cache = predictions(params, cfg, cache, fed)
             stopped = False
         out += block
-        if stopped or len(out) >= max_new_tokens or not fed:
+        if stopped or len(out) >= max_new_tokens or len(fed) == 0:
             return out, cache, cuts
         cache, block_scores = _rescored(params, cfg, kv.rewind(cache, mark), np.asarray(fed, np.int32), observer)
         scores = _placed(scores, block_scores, mark)
@@ -151,8 +151,9 @@ def generate(
     return out, cache, cuts
 
 
-def _predicted(params, cfg, cache, tokens: np.ndarray):
-    """tokens [T] appended (no scorer): (the greedy prediction after each, list of T ints; cache)."""
+def predictions(params, cfg: ModelConfig, cache: kv.KVCache, tokens: np.ndarray):
+    """tokens [T] appended to a one-row cache (donated; no scorer): (the greedy prediction after each, list of T
+    ints; cache)."""
     logits, cache = gen.forward_step(
         params, jnp.asarray(tokens[None]), jnp.full((1,), tokens.size), cache, cfg, logits="all"
     )
