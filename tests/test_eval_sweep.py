@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvzip_jax import prompts
+from kvzip_jax import methods, prompts
 from kvzip_jax.config import ModelConfig, RopeSpec
 from kvzip_jax.eval import batches, report, runner
 from kvzip_jax.eval import sweep as sw
@@ -399,6 +399,20 @@ def test_self_study_turns_and_query_cap_are_part_of_a_sweeps_identity(model):
     for field in ("self_study_samples", "self_study_tokens", "query_cap"):
         with pytest.raises(ValueError, match=field):
             dataclasses.replace(config, **{field: 0})
+
+
+def test_a_method_option_the_shared_capture_would_ignore_is_refused():
+    """The sweep captures reference queries once per batch for every method (--query-cap, --self-study): a method
+    spec asking for another cap or other sources fails when the config is made instead of being ignored."""
+    with pytest.raises(methods.MethodError, match="--query-cap 32768"):
+        sw.SweepConfig(methods=("am-hak-kb:query_cap=32768",))
+    with pytest.raises(methods.MethodError, match="other sources are not captured"):
+        sw.SweepConfig(methods=("am-hak:sources='context'",))
+    with pytest.raises(methods.MethodError, match="other sources are not captured"):
+        sw.SweepConfig(methods=("am-hak:sources=('repeat', 'self-study')",))  # without --self-study
+    sw.SweepConfig(methods=("am-hak:query_cap=100",), query_cap=100)  # the sweep's own cap, said twice: fine
+    sw.SweepConfig(methods=("am-hak:sources=('repeat', 'self-study')",), self_study=True)
+    sw.SweepConfig(methods=("kvzip", "am-hak-kb:value_ridge=1000.0"))  # other options are the method's own
 
 
 def test_a_profile_method_needs_the_models_searched_budgets(model, tmp_path, monkeypatch):

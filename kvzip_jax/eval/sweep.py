@@ -73,7 +73,7 @@ class SweepConfig:
         if not self.methods:
             raise methods.MethodError(f"no method given; choose from {', '.join(methods.names())}")
         for spec in self.methods:
-            methods.parse_spec(spec)  # an unknown name or option: MethodError
+            self._check_shared_capture(spec)  # an unknown name or option: MethodError
         if set(self.modes) - set(MODES) or not self.modes:
             raise ValueError(f"modes must be among {', '.join(MODES)}, got {self.modes}")
         for ratio in self.ratios:
@@ -93,6 +93,27 @@ class SweepConfig:
             raise ValueError(f"kv_window must be >= 1, got {self.kv_window}")
         if self.quantizes:
             self.kv_formats(8)  # a named error for a bad group
+
+    def _check_shared_capture(self, spec: str) -> None:
+        """MethodError for a spec whose query_cap or sources differ from the sweep's: the sweep captures the
+        reference queries once per batch for every method (runner.SharedInputs), with query_cap and the sources
+        repeat (+ self-study with self_study), so such an option would be silently ignored."""
+        method, changes = methods.parse_spec(spec)
+        if "queries" not in method.reads:
+            return
+        shared = ("repeat", "self-study") if self.self_study else ("repeat",)
+        if "query_cap" in changes and changes["query_cap"] != self.query_cap:
+            raise methods.MethodError(
+                f"{spec!r}: a sweep captures the reference queries once for every method; set their cap with "
+                f"--query-cap {changes['query_cap']} (SweepConfig.query_cap), not as a method option"
+            )
+        sources = changes.get("sources", shared)
+        sources = (sources,) if isinstance(sources, str) else tuple(sources)
+        if sources not in (("repeat",), shared):
+            raise methods.MethodError(
+                f"{spec!r}: a sweep's reference queries come from {' and '.join(shared)} for every method "
+                f"(--self-study adds self-study); other sources are not captured in a sweep"
+            )
 
     @property
     def quantizes(self) -> bool:
