@@ -119,13 +119,12 @@ class SharedInputs:
 
     def _queries(self) -> matching.ReferenceQueries:
         sweep = self._sweep
-        sources = ("repeat", "self-study") if sweep.config.self_study else ("repeat",)
         return _reference_queries(
             sweep.params,
             sweep.model.cfg,
             self._cache,
             self._field("reread"),
-            sources,
+            sweep.config.reference_sources,
             sweep.config.query_cap,
             with_scores=True,
             probes=self._field("probes"),

@@ -96,12 +96,12 @@ class SweepConfig:
 
     def _check_shared_capture(self, spec: str) -> None:
         """MethodError for a spec whose query_cap or sources differ from the sweep's: the sweep captures the
-        reference queries once per batch for every method (runner.SharedInputs), with query_cap and the sources
-        repeat (+ self-study with self_study), so such an option would be silently ignored."""
+        reference queries once per batch for every method (runner.SharedInputs), with query_cap and
+        reference_sources, so such an option would be silently ignored."""
         method, changes = methods.parse_spec(spec)
         if "queries" not in method.reads:
             return
-        shared = ("repeat", "self-study") if self.self_study else ("repeat",)
+        shared = self.reference_sources
         if "query_cap" in changes and changes["query_cap"] != self.query_cap:
             raise methods.MethodError(
                 f"{spec!r}: a sweep captures the reference queries once for every method; set their cap with "
@@ -114,6 +114,11 @@ class SweepConfig:
                 f"{spec!r}: a sweep's reference queries come from {' and '.join(shared)} for every method "
                 f"(--self-study adds self-study); other sources are not captured in a sweep"
             )
+
+    @property
+    def reference_sources(self) -> tuple[str, ...]:
+        """The sources of the reference queries the sweep captures once per batch for every method."""
+        return ("repeat", "self-study") if self.self_study else ("repeat",)
 
     @property
     def quantizes(self) -> bool:
