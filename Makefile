@@ -24,7 +24,7 @@ demo: $(VENV)/.installed
 # solves (np.linalg.lstsq: 9.1 s against 0.35 s for the OMP oracle's 140, two threads against one, on busy cores).
 # The tiny-model tests compile hundreds of small programs each: XLA's older CPU fusion emitters in one LLVM module
 # (TINY_XLA_FLAGS) compile them in 0.6x the CPU time (the real models' large programs in 1.1x), so `make test` runs the
-# tiny-model tests first with them, then the real_model tests without.
+# tiny-model tests with them, then the real_model tests without.
 TEST_WORKERS ?= 2
 TEST_XLA_FLAGS ?= --xla_backend_optimization_level=0
 TINY_XLA_FLAGS ?= $(TEST_XLA_FLAGS) --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1
@@ -34,12 +34,21 @@ TEST_ENV = OPENBLAS_NUM_THREADS=1 JAX_COMPILATION_CACHE_DIR="$(TEST_JAX_CACHE)" 
 PYTEST = $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 --peak-rss-limit-gb 6
 DEFAULT_MARKS = not quality48 and not extended
 
+FAST_MARKS = not real_model and not heavy and $(DEFAULT_MARKS)
+
+# Three runs: make test-fast's tests first (so every run on a clean clone also times the inner loop), then the heavy
+# tiny-model tests, then the real_model ones; the last line gives each run's seconds.
 test: $(VENV)/.installed-test
-	$(TEST_ENV) XLA_FLAGS="$(TINY_XLA_FLAGS) $(XLA_FLAGS)" $(PYTEST) -m "not real_model and $(DEFAULT_MARKS)" tests
-	$(TEST_ENV) XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" $(PYTEST) -m "real_model and $(DEFAULT_MARKS)" tests
+	@t0=$$(date +%s); \
+	$(TEST_ENV) XLA_FLAGS="$(TINY_XLA_FLAGS) $(XLA_FLAGS)" $(PYTEST) -m "$(FAST_MARKS)" tests && t1=$$(date +%s) && \
+	$(TEST_ENV) XLA_FLAGS="$(TINY_XLA_FLAGS) $(XLA_FLAGS)" $(PYTEST) -m "heavy and not real_model and $(DEFAULT_MARKS)" tests && \
+	t2=$$(date +%s) && \
+	$(TEST_ENV) XLA_FLAGS="$(TEST_XLA_FLAGS) $(XLA_FLAGS)" $(PYTEST) -m "real_model and $(DEFAULT_MARKS)" tests && \
+	t3=$$(date +%s) && \
+	echo "make test: test-fast's tests $$((t1 - t0)) s, the heavy ones $$((t2 - t1)) s, the real_model ones $$((t3 - t2)) s"
 
 test-fast: $(VENV)/.installed-test
-	$(TEST_ENV) XLA_FLAGS="$(TINY_XLA_FLAGS) $(XLA_FLAGS)" $(PYTEST) -m "not real_model and not heavy and $(DEFAULT_MARKS)" tests
+	$(TEST_ENV) XLA_FLAGS="$(TINY_XLA_FLAGS) $(XLA_FLAGS)" $(PYTEST) -m "$(FAST_MARKS)" tests
 
 # ruff (configured in pyproject.toml): the lint rules, and the tree as `ruff format` writes it.
 lint: $(VENV)/.installed-test
