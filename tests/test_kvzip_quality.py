@@ -76,15 +76,15 @@ def test_int4_after_kvzip_0_3_keeps_exact_values_behind_random_keys(qwen):
     masked, _ = jax.jit(kvzip.score_and_evict)(params, cfg, full, reread, 0.3)
     stops = prompts.stop_token_ids(tok)
 
-    def right(cache) -> list[bool]:  # greedy answers, decoded only past their first departure from the reference
-        work, out = answering.copy_cache(cache), []
-        for suffix, references in zip(suffixes, example.answers):
-            reference = np.append(prompts.encode_text(tok, references[0]), stops[0])
-            got, work = answering.answer_forced(params, cfg, work, [suffix], [reference], example.max_new_tokens, stops)
-            out.append(
-                bool(metrics.score(example.metric, tok.decode(got.tokens[0], skip_special_tokens=True), references))
-            )
-        return out
+    def right(cache) -> list[bool]:  # greedy answers to every question at once, one row each, decoded only past
+        # their first departure from the reference
+        references = [np.append(prompts.encode_text(tok, r[0]), stops[0]) for r in example.answers]
+        rows = kv.tiled_rows(cache, len(suffixes))
+        got, _ = answering.answer_forced(params, cfg, rows, suffixes, references, example.max_new_tokens, stops)
+        return [
+            bool(metrics.score(example.metric, tok.decode(tokens, skip_special_tokens=True), r))
+            for tokens, r in zip(got.tokens, example.answers)
+        ]
 
     at_16 = right(masked)
     drop_compiled_and_freed()  # the quantized cache's programs are its own: the 16-bit ones need not stay under them
