@@ -162,6 +162,7 @@ def _convert_bundled_models() -> None:
         raise RuntimeError(f"converting the bundled model(s) {', '.join(failed)} failed (their output is above)")
 
 
+@pytest.fixture(autouse=True)
 def _release_freed_after_a_large_test():
     """Hands freed memory back after a test that leaves the process holding more than TRIM_ABOVE bytes, TRIM_GROWTH
     more than after the last hand-back: glibc keeps what a test's models and buffers freed in its arenas, and the next
