@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvzip_jax import cli
-from kvzip_jax.scorers import data, scorer, store
+from kvzip_jax.scorers import data, pipeline, scorer, store
 from kvzip_jax.weights import registry
 from tests.conftest import bundled_tokenizer
 from tests.test_eval_sweep import tiny_model
@@ -45,6 +45,12 @@ def test_train_both_kinds_resume_then_eval_reads_them(model, monkeypatch, tmp_pa
     assert 0 <= manifest["top30_overlap"] <= 1 and np.isfinite(manifest["held_out_loss"])
     out = capsys.readouterr().out
     assert "top-30% overlap with KVzip" in out and f"wrote {root / 'linear'}" in out
+
+    other = tmp_path / "other-data"  # another model's data folder, reading these texts instead of writing its own
+    assert train("linear", "--data", str(other), "--texts-from", str(root / "data"), "--out", str(tmp_path / "l2")) == 0
+    assert data.read_texts(other) == texts and len(list((other / "features").glob("*.npz"))) == 3
+    assert json.loads((tmp_path / "l2" / store.MANIFEST).read_text())["texts_from"] == str(root / "data")
+    capsys.readouterr()
 
     stamps = [p.stat().st_mtime_ns for p in shards]
     assert train("gate", "--steps", "20", "--train-batch", "16") == 0  # the same texts and features, reused
@@ -85,3 +91,27 @@ def test_train_both_kinds_resume_then_eval_reads_them(model, monkeypatch, tmp_pa
         scorer.load(other, "linear", root / "linear")
     with pytest.raises(scorer.ScorerMissingError, match="train one with `kvzip-jax train-scorer --model other"):
         scorer.load(other, "gate")
+
+
+def test_texts_from_another_folder_seed_once_and_must_agree(tmp_path):
+    source, ours = tmp_path / "source", tmp_path / "ours"
+    for i in range(3):
+        data.append_text(source, f"Write {i}", f"text {i}")
+    pipeline.adopt_texts(ours, source, 2)
+    assert [t["text"] for t in data.read_texts(ours)] == ["text 0", "text 1"]
+    pipeline.adopt_texts(ours, source / "texts.jsonl", 3)  # grown by the source's next text, nothing rewritten
+    assert data.read_texts(ours) == data.read_texts(source)
+    with pytest.raises(data.ScorerDataError, match="fewer than the 4"):
+        pipeline.adopt_texts(ours, source, 4)
+    data.append_text(tmp_path / "else", "Write 0", "another text")
+    with pytest.raises(data.ScorerDataError, match="holds other texts"):
+        pipeline.adopt_texts(tmp_path / "else", source, 2)
+    (tmp_path / "notes.txt").write_text("")
+    with pytest.raises(data.ScorerDataError, match="not a data folder's texts.jsonl"):
+        pipeline.adopt_texts(ours, tmp_path / "notes.txt", 2)
+
+
+def test_texts_from_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train("linear", "--texts-from", str(tmp_path / "nowhere"))
+    assert exit_info.value.code == 2 and "--texts-from: no such folder" in capsys.readouterr().err

@@ -31,8 +31,12 @@ def run(args: argparse.Namespace) -> int:
     data_dir, out = Path(args.data or data_dir), Path(args.out or out)
     if out.exists() and not args.overwrite:
         raise store.ScorerFileError(f"{out} already exists; pass --overwrite to replace it")
+    if args.texts_from and not Path(args.texts_from).exists():
+        args.subparser.error(f"--texts-from: no such folder or file: {args.texts_from}")
     model = common.load_model(args)
     seconds = {}
+    if args.texts_from:
+        pipeline.adopt_texts(data_dir, args.texts_from, args.texts)
     for stage, work in (
         (
             "texts",
@@ -67,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         "model_params": identity["params"],
         "data": str(data_dir),
         "texts": args.texts,
+        **({"texts_from": str(args.texts_from)} if args.texts_from else {}),
         "tokens_per_text": args.tokens_per_text,
         "seconds_this_run": seconds,
         **report,
@@ -91,6 +96,11 @@ def add_parser(subparsers) -> None:
     parser.add_argument("--kind", required=True, choices=("gate", "linear"), help="gate: fast-kvzip; linear: kvzap")
     parser.add_argument("--out", metavar="DIR", help="where the scorer goes (default <checkpoints>/MODEL/scorers/KIND)")
     parser.add_argument("--data", metavar="DIR", help="texts and features (default <checkpoints>/MODEL/scorers/data)")
+    parser.add_argument(
+        "--texts-from",
+        metavar="DIR",
+        help="read the texts of another data folder (another model's) instead of writing new ones",
+    )
     parser.add_argument("--texts", type=int, default=64, help="texts the model writes (the last --held-out held out)")
     parser.add_argument("--held-out", type=int, default=8, help="texts kept out of the fit and measured on")
     parser.add_argument("--tokens-per-text", type=int, default=256, help="sampled training tokens per text")

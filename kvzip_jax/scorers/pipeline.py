@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,23 @@ def ensure_texts(model, folder, count: int, batch: int, max_new_tokens: int, see
                 data.append_text(folder, prompt, text)
         done = len(data.read_texts(folder))
     raise data.ScorerDataError(f"the model wrote {done} non-blank texts of {count} in {3 * count} batches")
+
+
+def adopt_texts(folder, source, count: int) -> None:
+    """Seeds texts.jsonl with the first `count` texts of another data folder (or its texts.jsonl), such as another
+    model's, so that this model reads them instead of writing its own; a folder already seeded must hold the same."""
+    source = Path(source)
+    if source.is_file() and source.name != "texts.jsonl":
+        raise data.ScorerDataError(f"{source}: not a data folder's texts.jsonl")
+    theirs = data.read_texts(source if source.is_dir() else source.parent)[:count]
+    if len(theirs) < count:
+        raise data.ScorerDataError(f"{source} holds {len(theirs)} texts, fewer than the {count} asked for")
+    ours = data.read_texts(folder)
+    held = min(len(ours), count)
+    if ours[:held] != theirs[:held]:
+        raise data.ScorerDataError(f"{folder} holds other texts than {source}: give another --data folder")
+    for record in theirs[held:]:
+        data.append_text(folder, record["prompt"], record["text"])
 
 
 def ensure_features(model, folder, count: int, tokens_per_text: int, seed: int, progress: Progress) -> None:
