@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvzip_jax import cli
+from kvzip_jax.cli import train_scorer
 from kvzip_jax.scorers import data, pipeline, scorer, store
 from kvzip_jax.weights import registry
 from tests.conftest import bundled_tokenizer
@@ -111,7 +112,34 @@ def test_texts_from_another_folder_seed_once_and_must_agree(tmp_path):
         pipeline.adopt_texts(ours, tmp_path / "notes.txt", 2)
 
 
-def test_texts_from_a_missing_folder_is_a_usage_error(tmp_path, capsys):
+def test_texts_from_a_missing_folder_or_of_other_prompts_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train("linear", "--texts-from", str(tmp_path / "nowhere"))
     assert exit_info.value.code == 2 and "--texts-from: no such folder" in capsys.readouterr().err
+    data.append_text(tmp_path / "prose", "Write an essay about volcanoes. Use at least 800 words.", "text")
+    with pytest.raises(SystemExit) as exit_info:
+        train("linear", "--texts-from", str(tmp_path / "prose"), "--prompts", "mixed")
+    assert exit_info.value.code == 2 and "answer the prose prompts" in capsys.readouterr().err
+
+
+def test_mixed_prompts_take_turns_with_the_prose_and_a_folder_keeps_one_set(tmp_path):
+    prose, mixed = data.writing_prompts(400), data.writing_prompts(8, "mixed")
+    assert prose[:2] == ["Write an essay about the history of bridges. Use at least 800 words."] + [
+        "Write a short story about the history of bridges. Use at least 800 words."
+    ]
+    assert len(set(prose[:180])) == 180 and prose[180:360] == prose[:180]  # every (style, topic) pair, then again
+    assert mixed[0::2] == prose[:4] and all("with at least 60 entries" in p for p in mixed[1::2])
+    with pytest.raises(ValueError, match="prompt_set must be one of"):
+        data.writing_prompts(2, "poems")
+    folder = tmp_path / "data"
+    data.append_text(folder, prose[0], "a text written before prompts.json")  # such a folder holds prose
+    data.check_prompt_set(folder, "prose")
+    with pytest.raises(data.ScorerDataError, match="holds texts of the prose prompts, not mixed"):
+        data.check_prompt_set(folder, "mixed")
+    data.check_prompt_set(tmp_path / "new", "mixed")
+    assert data.prompt_set_of(tmp_path / "new") == "mixed"
+    data.append_text(tmp_path / "new", mixed[0], "text")
+    pipeline.adopt_texts(tmp_path / "copy", tmp_path / "new", 1)  # the copy answers the same prompts
+    assert data.prompt_set_of(tmp_path / "copy") == "mixed"
+    dirs = train_scorer.default_dirs("m", "gate", "mixed")  # beside the prose scorers, where --scorers reads them
+    assert [d.relative_to(d.parents[3]).as_posix() for d in dirs] == ["m/scorers/mixed/data", "m/scorers/mixed/gate"]

@@ -10,29 +10,37 @@ from pathlib import Path
 from kvzip_jax.cli import common, options
 
 
-def default_dirs(model: str, kind: str) -> tuple[Path, Path]:
+def default_dirs(model: str, kind: str, prompt_set: str = "prose") -> tuple[Path, Path]:
     """(data folder, output folder) under <checkpoints>/<model>/scorers/: data/ (shared by both kinds) and <kind>/,
-    where eval and compress look first (scorers.scorer.scorer_dirs)."""
+    where eval and compress look first (scorers.scorer.scorer_dirs); under scorers/mixed/ for the mixed prompts
+    (`eval --scorers` and `compress --scorer` read them there)."""
     from kvzip_jax.weights.registry import default_checkpoints_dir
 
     root = default_checkpoints_dir() / Path(model).name / "scorers"
+    root = root / "mixed" if prompt_set == "mixed" else root
     return root / "data", root / kind
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvzip_jax.scorers import pipeline, store
+    from kvzip_jax.scorers import data, pipeline, store
     from kvzip_jax.weights.identity import model_identity
 
     if min(args.texts, args.tokens_per_text, args.max_new_tokens, args.batch, args.steps, args.train_batch) < 1:
         args.subparser.error("--texts, --tokens-per-text, --max-new-tokens, --batch, --steps, --train-batch: >= 1")
     if not 1 <= args.held_out < args.texts:
         args.subparser.error(f"--held-out must be in [1, --texts), got {args.held_out}")
-    data_dir, out = default_dirs(args.model, args.kind)
+    prompt_set = args.prompts or "prose"
+    if args.texts_from:
+        if not Path(args.texts_from).exists():
+            args.subparser.error(f"--texts-from: no such folder or file: {args.texts_from}")
+        source = Path(args.texts_from)
+        prompt_set = data.prompt_set_of(source if source.is_dir() else source.parent)
+        if args.prompts not in (None, prompt_set):
+            args.subparser.error(f"--prompts {args.prompts}: the texts of {source} answer the {prompt_set} prompts")
+    data_dir, out = default_dirs(args.model, args.kind, prompt_set)
     data_dir, out = Path(args.data or data_dir), Path(args.out or out)
     if out.exists() and not args.overwrite:
         raise store.ScorerFileError(f"{out} already exists; pass --overwrite to replace it")
-    if args.texts_from and not Path(args.texts_from).exists():
-        args.subparser.error(f"--texts-from: no such folder or file: {args.texts_from}")
     model = common.load_model(args)
     seconds = {}
     if args.texts_from:
@@ -41,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         (
             "texts",
             lambda bar: pipeline.ensure_texts(
-                model, data_dir, args.texts, args.batch, args.max_new_tokens, args.seed, bar
+                model, data_dir, args.texts, args.batch, args.max_new_tokens, args.seed, bar, prompt_set
             ),
         ),
         (
@@ -71,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         "model_params": identity["params"],
         "data": str(data_dir),
         "texts": args.texts,
+        "prompts": prompt_set,
         **({"texts_from": str(args.texts_from)} if args.texts_from else {}),
         "tokens_per_text": args.tokens_per_text,
         "seconds_this_run": seconds,
@@ -100,6 +109,12 @@ def add_parser(subparsers) -> None:
         "--texts-from",
         metavar="DIR",
         help="read the texts of another data folder (another model's) instead of writing new ones",
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=("prose", "mixed"),
+        help="what the model writes: prose (the default), or prose and records dense in identifiers and numbers "
+        "taking turns (into <checkpoints>/MODEL/scorers/mixed/)",
     )
     parser.add_argument("--texts", type=int, default=64, help="texts the model writes (the last --held-out held out)")
     parser.add_argument("--held-out", type=int, default=8, help="texts kept out of the fit and measured on")

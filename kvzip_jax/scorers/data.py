@@ -3,6 +3,8 @@
   texts.jsonl      the model's own writing, one {"prompt", "text"} a line: texts no evaluation uses (not the bundled
                    documents, the generated tasks' or RULER's haystacks), sampled from writing prompts on fixed
                    topics; lines are appended as texts are written, so a rerun goes on from the last one
+  prompts.json     {"prompt_set": "prose" | "mixed"}: the prompts the texts answer (writing_prompts; a folder
+                   written before it existed holds prose)
   features/NNNNN.npz  per text: `positions` [M] sampled context columns, `hidden` [L, M, D] float16 (the normed
                    attention input at them), `kvzip` and `kvzip_plus` [L, K, n] float32 (KVzip's and KVzip+'s scores
                    of every context pair); written atomically, one file a text, skipped when present
@@ -54,16 +56,47 @@ TOPICS = (
     "a library that never closes",
 )
 STYLES = ("an essay", "a short story", "a detailed explanation", "a dialogue between two people", "a guide", "a report")
+RECORDS = (  # documents dense in identifiers and numbers, which prose seldom holds
+    "an inventory with a serial code of letters and digits for every item",
+    "a server log with timestamps, request ids and status codes",
+    "a table of measurements with sample ids and values to three decimals",
+    "a contact list with phone numbers, account numbers and postcodes",
+    "a configuration file with keys, hexadecimal tokens, paths and port numbers",
+    "a shipping manifest with tracking numbers, weights and dates",
+)
+PROMPT_SETS = ("prose", "mixed")  # mixed: prose and records taking turns
 
 
 class ScorerDataError(KvzipError, ValueError):
     """A training-data folder that cannot be used (unreadable lines, a feature file of another shape)."""
 
 
-def writing_prompts(count: int) -> list[str]:
-    """`count` prompts, every (style, topic) pair in a fixed order, then again."""
-    pairs = itertools.cycle([(s, t) for t in TOPICS for s in STYLES])
-    return [f"Write {style} about {topic}. Use at least 800 words." for style, topic in itertools.islice(pairs, count)]
+def writing_prompts(count: int, prompt_set: str = "prose") -> list[str]:
+    """`count` prompts in a fixed order: prose, every (style, topic) pair, then again; mixed, those prose prompts
+    and the (record, topic) pairs taking turns."""
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"prompt_set must be one of {PROMPT_SETS}, got {prompt_set!r}")
+    prose = (f"Write {style} about {topic}. Use at least 800 words." for topic in TOPICS for style in STYLES)
+    records = (f"Write {record} about {topic}, with at least 60 entries." for topic in TOPICS for record in RECORDS)
+    order = prose if prompt_set == "prose" else itertools.chain.from_iterable(zip(prose, records))
+    return list(itertools.islice(itertools.cycle(list(order)), count))
+
+
+def prompt_set_of(folder: str | os.PathLike) -> str:
+    """The prompt set a data folder's texts come from (prompts.json; a folder without one holds prose)."""
+    path = Path(folder) / "prompts.json"
+    return json.loads(path.read_text())["prompt_set"] if path.exists() else "prose"
+
+
+def check_prompt_set(folder: str | os.PathLike, prompt_set: str) -> None:
+    """Raises ScorerDataError when the folder holds texts of another prompt set; records the set in a folder
+    without texts."""
+    if read_texts(folder):
+        if (held := prompt_set_of(folder)) != prompt_set:
+            raise ScorerDataError(f"{folder} holds texts of the {held} prompts, not {prompt_set}: give another --data")
+        return
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "prompts.json").write_text(json.dumps({"prompt_set": prompt_set}))
 
 
 def read_texts(folder: str | os.PathLike) -> list[dict]:

@@ -22,10 +22,14 @@ Progress = Callable[[int, int], None]
 TARGETS = {"gate": "kvzip", "linear": "log_kvzip_plus"}  # what each kind learns
 
 
-def ensure_texts(model, folder, count: int, batch: int, max_new_tokens: int, seed: int, progress: Progress) -> None:
-    """texts.jsonl holds at least `count` texts: the missing ones written `batch` at a time, each batch seeded by
-    how many texts were written before it; a blank answer is not kept (its prompt comes again, newly sampled)."""
-    prompts = data.writing_prompts(count)
+def ensure_texts(
+    model, folder, count: int, batch: int, max_new_tokens: int, seed: int, progress: Progress, prompt_set: str = "prose"
+) -> None:
+    """texts.jsonl holds at least `count` texts answering prompt_set's prompts (data.writing_prompts): the missing
+    ones written `batch` at a time, each batch seeded by how many texts were written before it; a blank answer is
+    not kept (its prompt comes again, newly sampled)."""
+    data.check_prompt_set(folder, prompt_set)
+    prompts = data.writing_prompts(count, prompt_set)
     done = len(data.read_texts(folder))
     for attempt in range(3 * count):  # a model that keeps answering nothing fails below
         progress(min(done, count), count)
@@ -52,6 +56,7 @@ def adopt_texts(folder, source, count: int) -> None:
     held = min(len(ours), count)
     if ours[:held] != theirs[:held]:
         raise data.ScorerDataError(f"{folder} holds other texts than {source}: give another --data folder")
+    data.check_prompt_set(folder, data.prompt_set_of(source if source.is_dir() else source.parent))
     for record in theirs[held:]:
         data.append_text(folder, record["prompt"], record["text"])
 
