@@ -15,6 +15,7 @@ import pytest
 from kvzip_jax import dtypes, kvzip, prompts
 from kvzip_jax import generate as gen
 from kvzip_jax.weights import registry
+from tests.conftest import _checkpoints_dir
 
 DOCUMENT = (Path(__file__).resolve().parents[1] / "kvzip_jax" / "data" / "demo_document.txt").read_text()
 POSITIONS = 1200  # teacher-forced positions compared (the issue asks for >= 1,000)
@@ -27,8 +28,9 @@ RATIO = 0.3
 def model_pair(request):
     """(name, tokenizer, cfg, float32 params, bfloat16 params), from the bundled model's converted checkpoint (it
     stores the GGUF's dequantized float32 / float16 tensors as they are)."""
-    gguf = request.getfixturevalue("smollm2_gguf" if request.param == registry.SMOLLM2 else "qwen_gguf")
-    model = registry.load(request.param, gguf.parent.parent, dtype="float32")  # <checkpoints>/_gguf/<name>.gguf
+    request.getfixturevalue("smollm2_gguf" if request.param == registry.SMOLLM2 else "qwen_gguf")  # installed
+    # SmolLM2's GGUF lies in its package, not in <checkpoints>/_gguf: the checkpoints folder is named, not derived
+    model = registry.load(request.param, _checkpoints_dir(), dtype="float32")
     return model.name, model.tokenizer, model.cfg, model.params, dtypes.cast_params(model.params, "bfloat16")
 
 

@@ -13,7 +13,7 @@ from kvzip_jax.kvzip import scoring as kvscore
 from kvzip_jax.models.params import init_params
 from kvzip_jax.quant import groups as quant
 from kvzip_jax.weights import registry
-from tests.conftest import tiny_config
+from tests.conftest import _checkpoints_dir, tiny_config
 
 from .conftest import bench_module, drop_compiled_and_freed
 from .test_kvzip_score import oracle_scores
@@ -28,7 +28,7 @@ def _bench_quality():
 @pytest.fixture(scope="module")
 def qwen(qwen_gguf):
     drop_compiled_and_freed()
-    return registry.load(registry.QWEN, qwen_gguf.parent.parent)  # <checkpoints>/_gguf/<name>.gguf
+    return registry.load(registry.QWEN, _checkpoints_dir())
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from kvzip_jax.models.params import init_params
 from kvzip_jax.serving import decode as paged
 from kvzip_jax.serving import export_io
 from kvzip_jax.weights import registry
-from tests.conftest import drop_compiled_and_freed
+from tests.conftest import _checkpoints_dir, drop_compiled_and_freed
 from tests.test_serving import CONTEXTS, PAGE, PREFIX, RATIO, TOL, serving_config
 
 QUESTION, NEW = 5, 32
@@ -222,7 +222,7 @@ def test_qwen_decodes_32_tokens_through_the_engines_kernel_as_kvzip_jax_does(qwe
     greedy tokens through tpu-inference's reference over the tpu pages and through the jnp reference over the GPU
     blocks are the ragged decode's."""
     drop_compiled_and_freed()
-    model = registry.load(registry.QWEN, qwen_gguf.parent.parent)
+    model = registry.load(registry.QWEN, _checkpoints_dir())
     params, cfg, tok = model.params, model.cfg, model.tokenizer
     context, suffixes = prompts.split_for_reuse(tok, DOCUMENT, ["Tell the story of the expedition in detail."])
     _, cache = gen.prefill(params, cfg, [context.ids()])
