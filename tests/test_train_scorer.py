@@ -10,6 +10,7 @@ import pytest
 
 from kvzip_jax import cli
 from kvzip_jax.cli import train_scorer
+from kvzip_jax.eval import sweep
 from kvzip_jax.scorers import data, pipeline, scorer, store
 from kvzip_jax.weights import registry
 from tests.conftest import bundled_tokenizer
@@ -72,6 +73,12 @@ def test_train_both_kinds_resume_then_eval_reads_them(model, monkeypatch, tmp_pa
     assert by_threshold[1.0] == by_threshold[0.3]  # a threshold ignores the ratio
     settings = json.loads((tmp_path / "run" / "results.jsonl.settings.json").read_text())
     assert set(settings["scorers"]) == {"gate", "linear"}
+    argv[argv.index("--methods") + 1 : argv.index("--batch-size")] = ["kvzap", "--ratios", "0.5"]  # the linear alone
+    assert cli.main([*argv, "--no-progress", "--out", str(tmp_path / "run")]) == 0  # the same sweep, grown
+    grown = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert {(r["method"], r["ratio"]) for r in grown[len(records) :]} == {("kvzap", 0.5)}
+    assert grown[: len(records)] == records and {r["config"] for r in grown} == {records[0]["config"]}
+    assert json.loads((tmp_path / "run" / "results.jsonl.settings.json").read_text()) == settings
 
     context = tmp_path / "context.txt"
     context.write_text(" ".join(f"word{i % 37}" for i in range(160)))
@@ -143,3 +150,16 @@ def test_mixed_prompts_take_turns_with_the_prose_and_a_folder_keeps_one_set(tmp_
     assert data.prompt_set_of(tmp_path / "copy") == "mixed"
     dirs = train_scorer.default_dirs("m", "gate", "mixed")  # beside the prose scorers, where --scorers reads them
     assert [d.relative_to(d.parents[3]).as_posix() for d in dirs] == ["m/scorers/mixed/data", "m/scorers/mixed/gate"]
+
+
+def test_a_sweep_reading_fewer_of_a_folders_scorers_is_that_folders_sweep():
+    stored = {"model": "m", "seed": 1, "scorers": {"gate": "g1", "linear": "l1"}}
+    assert sweep.reading_fewer_scorers(None, {"model": "m"}) == {"model": "m"}
+    assert sweep.reading_fewer_scorers(stored, {"model": "m", "seed": 1, "scorers": {"linear": "l1"}}) is stored
+    assert sweep.reading_fewer_scorers(stored, {"model": "m", "seed": 1}) is stored  # no scorer read at all
+    for other in (
+        {"model": "m", "seed": 1, "scorers": {"linear": "l2"}},  # another linear scorer
+        {"model": "m", "seed": 2, "scorers": {"linear": "l1"}},  # another setting
+        {"model": "m", "seed": 1, "scorers": {"gate": "g1", "linear": "l1", "mlp": "m1"}},  # a scorer it lacks
+    ):
+        assert sweep.reading_fewer_scorers(stored, other) is other

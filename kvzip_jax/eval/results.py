@@ -92,6 +92,12 @@ def settings_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".settings.json")
 
 
+def stored_settings(path: str | os.PathLike) -> dict | None:
+    """The settings written beside a results file; None where there are none (yet)."""
+    where = settings_path(path)
+    return _read_settings(plain_path(path)) if where.exists() else None
+
+
 def exists(path: str | os.PathLike) -> bool:
     """Whether a results file exists in either form (plain, .gz)."""
     return plain_path(path).exists() or packed_path(path).exists()

@@ -15,7 +15,8 @@ Modes: "reuse" compresses once without any question and answers every question (
 protocol); "first" compresses with the first question in view and reuses that cache for the rest; "oracle"
 recompresses per question. Methods that do not see the question run in "reuse" only.
 Results go to a JSONL file (one record per answer, see results.py); keys already there are not redone, and a file
-of other settings is refused (results.SweepMismatchError). A batch with answers still pending is prefilled and
+of other settings is refused (results.SweepMismatchError), but a sweep reading fewer of its trained scorers, each
+the same, continues it (reading_fewer_scorers). A batch with answers still pending is prefilled and
 answered by the full cache again (the pending answers are compared with it), and scored again only by the methods
 with answers pending.
 
@@ -35,7 +36,7 @@ from kvzip_jax import cache as kv
 from kvzip_jax import matching, methods, prompts, sharding
 from kvzip_jax.eval import host_memory
 from kvzip_jax.eval.batches import capacity_for, example_hash, groups_of, padded, prepare
-from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile
+from kvzip_jax.eval.results import RESULTS_VERSION, ResultsFile, stored_settings
 from kvzip_jax.eval.runner import Sweep
 from kvzip_jax.eval.shares import check_lockstep, process_share, share_of
 from kvzip_jax.eval.tasks.base import Example
@@ -182,6 +183,17 @@ class SweepConfig:
         }
 
 
+def reading_fewer_scorers(stored: dict | None, settings: dict) -> dict:
+    """The stored settings where `settings` differ from them only by reading fewer of their trained scorers, each
+    the same (a sweep run for some of a grid's methods is that grid's sweep); else `settings`."""
+    if stored is None:
+        return settings
+    ours, theirs = settings.get("scorers", {}), stored.get("scorers", {})
+    rest = lambda s: {k: v for k, v in s.items() if k != "scorers"}
+    same = rest(stored) == rest(settings) and all(theirs.get(kind) == weights for kind, weights in ours.items())
+    return stored if same else settings
+
+
 def run_sweep(
     model,
     examples: Sequence[Example],
@@ -200,7 +212,8 @@ def run_sweep(
     process runs the whole sweep in lockstep, reading the same results_path (a shared filesystem), and only the one
     given write=True writes it."""
     index, count = process_share(*share)
-    results = ResultsFile(results_path, config.settings(model), write=write)
+    settings = reading_fewer_scorers(stored_settings(results_path), config.settings(model))
+    results = ResultsFile(results_path, settings, write=write)
     mesh = mesh or sharding.data_mesh()
     if len({d.process_index for d in mesh.devices.flat}) > 1:
         check_lockstep(results)
