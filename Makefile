@@ -68,7 +68,7 @@ bench: $(VENV)/.installed-test
 
 # The trained scorers of the bundled 0.5B model (docs/scorers.md), as measured there: 16 texts the model writes, 4 of
 # them held out, and their features once (resumable), then the linear regressor (kvzap; the one the package ships)
-# and the gates (fast-kvzip), into checkpoints/qwen2.5-coder-0.5b-instruct/scorers/. About 70 minutes on 2 cores.
+# and the gates (fast-kvzip), into checkpoints/qwen2.5-coder-0.5b-instruct/scorers/. About an hour on 2 cores.
 # A scorer already trained there is kept, so a rerun after an interruption goes on with the other.
 SCORER_DATA = --texts 16 --held-out 4 --batch 8
 SCORERS_OUT = $${KVZIP_CHECKPOINTS:-checkpoints}/qwen2.5-coder-0.5b-instruct/scorers
