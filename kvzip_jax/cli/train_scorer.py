@@ -33,10 +33,11 @@ def run(args: argparse.Namespace) -> int:
     if args.texts_from:
         if not Path(args.texts_from).exists():
             args.subparser.error(f"--texts-from: no such folder or file: {args.texts_from}")
-        source = Path(args.texts_from)
-        prompt_set = data.prompt_set_of(source if source.is_dir() else source.parent)
+        prompt_set = data.prompt_set_of(data.folder_of(args.texts_from))
         if args.prompts not in (None, prompt_set):
-            args.subparser.error(f"--prompts {args.prompts}: the texts of {source} answer the {prompt_set} prompts")
+            args.subparser.error(
+                f"--prompts {args.prompts}: the texts of {args.texts_from} answer the {prompt_set} prompts"
+            )
     data_dir, out = default_dirs(args.model, args.kind, prompt_set)
     data_dir, out = Path(args.data or data_dir), Path(args.out or out)
     if out.exists() and not args.overwrite:

@@ -94,8 +94,7 @@ def settings_path(path: str | os.PathLike) -> Path:
 
 def stored_settings(path: str | os.PathLike) -> dict | None:
     """The settings written beside a results file; None where there are none (yet)."""
-    where = settings_path(path)
-    return _read_settings(plain_path(path)) if where.exists() else None
+    return _read_settings(plain_path(path)) if settings_path(path).exists() else None
 
 
 def exists(path: str | os.PathLike) -> bool:

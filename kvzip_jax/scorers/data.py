@@ -82,6 +82,14 @@ def writing_prompts(count: int, prompt_set: str = "prose") -> list[str]:
     return list(itertools.islice(itertools.cycle(list(order)), count))
 
 
+def folder_of(source: str | os.PathLike) -> Path:
+    """The data folder a path names: the folder itself, or the folder of its texts.jsonl."""
+    source = Path(source)
+    if source.is_file() and source.name != "texts.jsonl":
+        raise ScorerDataError(f"{source}: not a data folder's texts.jsonl")
+    return source if source.is_dir() else source.parent
+
+
 def prompt_set_of(folder: str | os.PathLike) -> str:
     """The prompt set a data folder's texts come from (prompts.json; a folder without one holds prose)."""
     path = Path(folder) / "prompts.json"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -46,17 +45,14 @@ def ensure_texts(
 def adopt_texts(folder, source, count: int) -> None:
     """Seeds texts.jsonl with the first `count` texts of another data folder (or its texts.jsonl), such as another
     model's, so that this model reads them instead of writing its own; a folder already seeded must hold the same."""
-    source = Path(source)
-    if source.is_file() and source.name != "texts.jsonl":
-        raise data.ScorerDataError(f"{source}: not a data folder's texts.jsonl")
-    theirs = data.read_texts(source if source.is_dir() else source.parent)[:count]
+    theirs = data.read_texts(data.folder_of(source))[:count]
     if len(theirs) < count:
         raise data.ScorerDataError(f"{source} holds {len(theirs)} texts, fewer than the {count} asked for")
     ours = data.read_texts(folder)
     held = min(len(ours), count)
     if ours[:held] != theirs[:held]:
         raise data.ScorerDataError(f"{folder} holds other texts than {source}: give another --data folder")
-    data.check_prompt_set(folder, data.prompt_set_of(source if source.is_dir() else source.parent))
+    data.check_prompt_set(folder, data.prompt_set_of(data.folder_of(source)))
     for record in theirs[held:]:
         data.append_text(folder, record["prompt"], record["text"])
 
