@@ -163,3 +163,24 @@ def test_a_sweep_reading_fewer_of_a_folders_scorers_is_that_folders_sweep():
         {"model": "m", "seed": 1, "scorers": {"gate": "g1", "linear": "l1", "mlp": "m1"}},  # a scorer it lacks
     ):
         assert sweep.reading_fewer_scorers(stored, other) is other
+
+
+def test_progress_into_a_log_is_plain_lines_at_most_so_often(monkeypatch, capsys):
+    from argparse import Namespace
+
+    from kvzip_jax.cli import common
+
+    clock = iter([0.0, 10.0, 61.0, 62.0])
+    monkeypatch.setattr(common.time, "monotonic", lambda: next(clock))
+    on_step, close = common.progress(Namespace(quiet=False), "fitting", unit="step", log_seconds=60)
+    for done in (1, 2, 3, 4):  # stderr under capsys is not a terminal
+        on_step(done, 4)
+    close()
+    assert capsys.readouterr().err.splitlines() == ["fitting: 1/4 step", "fitting: 3/4 step", "fitting: 4/4 step"]
+    on_chunk, close = common.progress(Namespace(quiet=False), "prefill")  # no log_seconds: silent, as before
+    on_chunk(1, 2)
+    close()
+    on_step, close = common.progress(Namespace(quiet=True), "fitting", log_seconds=60)
+    on_step(4, 4)
+    close()
+    assert capsys.readouterr().err == ""

@@ -57,18 +57,24 @@ def stdin_questions() -> Iterator[str]:
     return (q for q in map(str.strip, sys.stdin) if q)
 
 
-def progress(args: argparse.Namespace, what: str, unit: str = "tok"):
-    """(on_chunk(done, total) callback, close): a tqdm bar on stderr, silent when stderr is not a terminal or with
-    --quiet."""
+def progress(args: argparse.Namespace, what: str, unit: str = "tok", log_seconds: float | None = None):
+    """(on_chunk(done, total) callback, close): a tqdm bar on stderr, off with --quiet. When stderr is not a terminal
+    there is no bar; with log_seconds, a plain line `what: done/total unit` goes to stderr at most that often instead
+    (long work run into a log)."""
     from tqdm import tqdm
 
-    bar = tqdm(
-        desc=what,
-        unit=unit,
-        disable=getattr(args, "quiet", False) or not sys.stderr.isatty(),
-        file=sys.stderr,
-        leave=False,
-    )
+    quiet = getattr(args, "quiet", False)
+    if not quiet and not sys.stderr.isatty():
+        last = [-float("inf")]
+
+        def log_line(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= log_seconds or done == total:
+                last[0] = now
+                print(f"{what}: {done}/{total} {unit}", file=sys.stderr, flush=True)
+
+        return (log_line if log_seconds is not None else lambda done, total: None), lambda: None
+    bar = tqdm(desc=what, unit=unit, disable=quiet, file=sys.stderr, leave=False)
 
     def on_chunk(done: int, total: int) -> None:
         bar.total = total

@@ -59,13 +59,13 @@ def run(args: argparse.Namespace) -> int:
         ),
     ):
         start = time.perf_counter()
-        bar, done = common.progress(args, f"{stage} ({data_dir})", unit="text")
+        bar, done = common.progress(args, f"{stage} ({data_dir})", unit="text", log_seconds=60)
         work(bar)
         done()
         seconds[stage] = time.perf_counter() - start
         print(f"{stage}: {args.texts} in {data_dir} ({seconds[stage]:.0f} s this run)", flush=True)
     train_indices, held = range(args.texts - args.held_out), range(args.texts - args.held_out, args.texts)
-    bar, done = common.progress(args, f"fitting the {args.kind} scorer", unit="step")
+    bar, done = common.progress(args, f"fitting the {args.kind} scorer", unit="step", log_seconds=60)
     scorer, report = pipeline.fit(
         model, data_dir, args.kind, train_indices, args.steps, args.train_batch, args.seed, bar
     )
