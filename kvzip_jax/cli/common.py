@@ -65,12 +65,13 @@ def progress(args: argparse.Namespace, what: str, unit: str = "tok", log_seconds
 
     quiet = getattr(args, "quiet", False)
     if not quiet and not sys.stderr.isatty():
-        last = [-float("inf")]
+        last = -float("inf")
 
         def log_line(done: int, total: int) -> None:
+            nonlocal last
             now = time.monotonic()
-            if now - last[0] >= log_seconds or done == total:
-                last[0] = now
+            if now - last >= log_seconds or done == total:
+                last = now
                 print(f"{what}: {done}/{total} {unit}", file=sys.stderr, flush=True)
 
         return (log_line if log_seconds is not None else lambda done, total: None), lambda: None

@@ -45,14 +45,15 @@ def ensure_texts(
 def adopt_texts(folder, source, count: int) -> None:
     """Seeds texts.jsonl with the first `count` texts of another data folder (or its texts.jsonl), such as another
     model's, so that this model reads them instead of writing its own; a folder already seeded must hold the same."""
-    theirs = data.read_texts(data.folder_of(source))[:count]
+    source_folder = data.folder_of(source)
+    theirs = data.read_texts(source_folder)[:count]
     if len(theirs) < count:
         raise data.ScorerDataError(f"{source} holds {len(theirs)} texts, fewer than the {count} asked for")
     ours = data.read_texts(folder)
     held = min(len(ours), count)
     if ours[:held] != theirs[:held]:
         raise data.ScorerDataError(f"{folder} holds other texts than {source}: give another --data folder")
-    data.check_prompt_set(folder, data.prompt_set_of(data.folder_of(source)))
+    data.check_prompt_set(folder, data.prompt_set_of(source_folder))
     for record in theirs[held:]:
         data.append_text(folder, record["prompt"], record["text"])
 
